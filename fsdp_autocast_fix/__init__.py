@@ -1,0 +1,97 @@
+"""Make a checkpointed ``fully_shard`` (FSDP2) module recompute exactly what its forward computed.
+
+In torch 2.4-2.12, FSDP2 skips its ``MixedPrecisionPolicy`` casts while a checkpointed
+module's forward is recomputed in backward (pytorch issue 148831), and no torch
+restores autocast for checkpoints that do not do it themselves. This package records
+each sharded module's forward-time state and replays it around the recompute::
+
+    import fsdp_autocast_fix
+    fsdp_autocast_fix.apply()                      # process-wide, before or after sharding
+
+    from fsdp_autocast_fix import patched_fully_shard
+    patched_fully_shard(layer, mp_policy=policy)   # only the modules it shards
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from . import _compat, _patch
+from ._compat import UnsupportedTorchError
+from ._patch import apply, patched_fully_shard, remove
+
+__all__ = [
+    "Status",
+    "UnsupportedTorchError",
+    "apply",
+    "patched",
+    "patched_fully_shard",
+    "remove",
+    "status",
+]
+__version__ = "0.1.0"
+
+
+@dataclass(frozen=True)
+class Status:
+    """Where the patch stands in this process (see :func:`status`).
+
+    Attributes:
+        torch_version: ``torch.__version__``.
+        needs_cast_replay: whether this torch skips FSDP's casts in the recompute
+            (probed on torch's own code); None if this torch is not supported.
+        cast_replay_active: whether covered modules get the cast replay.
+        autocast_replay_active: whether any module is covered or :func:`apply` is in force.
+        patched_globally: whether :func:`apply` is in force.
+        covered_modules: how many sharded modules carry the capture/replay hooks.
+        unsupported: why this torch is not supported, or None.
+    """
+
+    torch_version: str
+    needs_cast_replay: bool | None
+    cast_replay_active: bool
+    autocast_replay_active: bool
+    patched_globally: bool
+    covered_modules: int
+    unsupported: str | None = None
+
+
+def status() -> Status:
+    """Report the torch version, what it needs, and what is patched now. Never raises."""
+    try:
+        needs: bool | None = _compat.load().needs_cast_replay
+        unsupported = None
+    except UnsupportedTorchError as e:
+        needs, unsupported = None, str(e)
+    covered = _patch.covered_modules()
+    applied = _patch.is_applied()
+    active = applied or covered > 0
+    return Status(
+        torch_version=_compat.torch_version(),
+        needs_cast_replay=needs,
+        cast_replay_active=active and bool(needs or _patch.forced()),
+        autocast_replay_active=active,
+        patched_globally=applied,
+        covered_modules=covered,
+        unsupported=unsupported,
+    )
+
+
+@contextlib.contextmanager
+def patched(*, force: bool = False) -> Iterator[None]:
+    """Apply on enter, restore the previous state on exit; safe to nest.
+
+    Only the outermost ``patched()`` that actually applied removes the patch again;
+    a ``patched()`` inside an :func:`apply` leaves it in force.
+    """
+    was_applied, was_forced = _patch.is_applied(), _patch.forced()
+    apply(force=force)
+    try:
+        yield
+    finally:
+        if not was_applied:
+            remove()
+        elif was_forced != force:
+            apply(force=was_forced)

@@ -1,0 +1,204 @@
+"""The one place that knows torch's FSDP2 internals and decides what this torch needs.
+
+Everything the patch touches inside torch is looked up here, checked, and handed to
+:mod:`fsdp_autocast_fix._patch` as one :class:`Internals` object. A missing or
+reshaped internal raises :class:`UnsupportedTorchError` naming it, before anything
+is patched, so torch is never half-patched.
+
+Whether this torch "needs the cast replay" is decided by running torch's own
+``FSDPState._pre_forward`` / ``_post_forward`` on a bare state in the recompute
+state (``TrainingState.PRE_BACKWARD``) and looking at what comes out, not by
+comparing version strings: it is right for releases, pre-releases, local builds
+and back-ports alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["Internals", "UnsupportedTorchError", "load"]
+
+#: Import paths of composable FSDP, newest first (2.6+ public path, then 2.4/2.5).
+_FSDP_PACKAGES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+#: Where ``FSDPState`` lives, in the same order.
+_STATE_MODULES = (
+    "torch.distributed.fsdp._fully_shard._fsdp_state",
+    "torch.distributed._composable.fsdp._fsdp_state",
+)
+
+
+class UnsupportedTorchError(RuntimeError):
+    """This torch lacks an internal the patch relies on, or has reshaped it.
+
+    Raised by :func:`fsdp_autocast_fix.apply` and
+    :func:`fsdp_autocast_fix.patched_fully_shard` before anything is changed.
+    ``internal`` names the missing or changed piece.
+    """
+
+    def __init__(self, internal: str, detail: str = "") -> None:
+        self.internal = internal
+        message = f"fsdp_autocast_fix does not recognise torch {torch.__version__}: {internal}"
+        super().__init__(f"{message} ({detail})" if detail else message)
+
+
+@dataclass(frozen=True)
+class Internals:
+    """The torch internals the patch uses, resolved and checked once."""
+
+    fully_shard: Callable[..., Any]
+    fsdp_state_cls: type
+    pre_backward: Any  # TrainingState.PRE_BACKWARD
+    cast_fp_tensor: Callable[[torch.dtype, Any], Any]
+    apply_to_tensors: Callable[[Callable[[Any], Any], Any], Any]
+    module_state_mapping: Any  # dict or WeakKeyDictionary: module -> state (or weakref)
+    needs_cast_replay: bool
+
+    def state_of(self, module: torch.nn.Module) -> Any | None:
+        """The FSDP state that manages ``module``, or None."""
+        entry = self.module_state_mapping.get(module)
+        state = entry() if isinstance(entry, weakref.ref) else entry  # weakref from 2.5, the state in 2.4
+        return state if isinstance(state, self.fsdp_state_cls) else None
+
+    def all_states(self) -> list[Any]:
+        """Every live FSDP state, each once (a grouped state manages several modules)."""
+        seen: dict[int, Any] = {}
+        for module in list(self.module_state_mapping.keys()):
+            state = self.state_of(module)
+            if state is not None:
+                seen.setdefault(id(state), state)
+        return list(seen.values())
+
+
+def modules_of(state: Any) -> tuple[torch.nn.Module, ...]:
+    """The modules an FSDP state manages (``_modules`` from 2.5, ``_module`` in 2.4)."""
+    modules = getattr(state, "_modules", None)
+    if modules is None:
+        modules = (state._module,)
+    return tuple(modules)
+
+
+def _import_first(names: tuple[str, ...], what: str) -> Any:
+    errors = []
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:  # pragma: no cover - depends on the torch build
+            errors.append(f"{name}: {e}")
+    raise UnsupportedTorchError(what, "; ".join(errors))
+
+
+def _attr(obj: Any, name: str, label: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise UnsupportedTorchError(label, "missing") from None
+
+
+def _check_params(fn: Any, expected: tuple[str, ...], label: str) -> None:
+    try:
+        params = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedTorchError(label, f"no signature: {e}") from None
+    if params[: len(expected)] != expected:
+        raise UnsupportedTorchError(label, f"parameters {params}, expected {expected}")
+
+
+def _probe_cast_replay(state_cls: type, pre_backward: Any, mp_policy_cls: type) -> bool:
+    """Run torch's own recompute branch on a bare state; True if it skips the casts.
+
+    A fresh ``FSDPState()`` has no parameter groups, so ``_pre_forward`` and
+    ``_post_forward`` touch nothing but the arguments given here.
+    """
+    state = state_cls()
+    state._training_state = pre_backward
+    state._mp_policy = mp_policy_cls(param_dtype=torch.bfloat16, output_dtype=torch.float16)
+    x = torch.zeros(1)
+    try:
+        (args, _kwargs) = state._pre_forward(torch.nn.Module(), (x,), {})
+        output = state._post_forward(torch.nn.Module(), (x,), x)
+    except Exception as e:
+        raise UnsupportedTorchError("FSDPState._pre_forward/_post_forward in PRE_BACKWARD", repr(e)) from None
+    inputs_cast = args[0].dtype == torch.bfloat16
+    output_cast = output.dtype == torch.float16
+    return not (inputs_cast and output_cast)
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> Internals:
+    """Resolve and check every internal; raise :class:`UnsupportedTorchError` on the first gap."""
+    if not torch.distributed.is_available():
+        raise UnsupportedTorchError("torch.distributed", "this torch was built without distributed support")
+    required = {
+        "torch.is_autocast_enabled(device_type)": lambda: torch.is_autocast_enabled("cpu"),
+        "torch.get_autocast_dtype": lambda: torch.get_autocast_dtype("cpu"),
+        "torch.is_autocast_cache_enabled": torch.is_autocast_cache_enabled,
+        "torch._C._is_any_autocast_enabled": torch._C._is_any_autocast_enabled,
+        "torch._C._current_graph_task_id": torch._C._current_graph_task_id,
+    }
+    for label, call in required.items():
+        try:
+            call()
+        except (AttributeError, TypeError) as e:
+            raise UnsupportedTorchError(label, repr(e)) from None
+    if "always_call" not in inspect.signature(torch.nn.Module.register_forward_hook).parameters:
+        raise UnsupportedTorchError("nn.Module.register_forward_hook(always_call=...)", "missing")
+
+    package = _fsdp_package()
+    fully_shard = package.fully_shard
+    mp_policy_cls = _attr(package, "MixedPrecisionPolicy", "MixedPrecisionPolicy")
+    for field in ("param_dtype", "output_dtype", "cast_forward_inputs"):
+        if field not in getattr(mp_policy_cls, "__dataclass_fields__", {}):
+            raise UnsupportedTorchError(f"MixedPrecisionPolicy.{field}", "missing")
+
+    state_module = _import_first(_STATE_MODULES, "FSDPState module")
+    state_cls = _attr(state_module, "FSDPState", "FSDPState")
+    _check_params(_attr(state_cls, "_pre_forward", "FSDPState._pre_forward"),
+                  ("self", "module", "args", "kwargs"), "FSDPState._pre_forward")
+    _check_params(_attr(state_cls, "_post_forward", "FSDPState._post_forward"),
+                  ("self", "module", "input", "output"), "FSDPState._post_forward")
+    init = _attr(state_cls, "init", "FSDPState.init")
+    _check_params(init, ("self",), "FSDPState.init")
+    training_state = _attr(state_module, "TrainingState", "TrainingState")
+    pre_backward = _attr(training_state, "PRE_BACKWARD", "TrainingState.PRE_BACKWARD")
+    cast_fp_tensor = _attr(state_module, "_cast_fp_tensor", "_cast_fp_tensor")
+    # Traverse args exactly as this torch's FSDP does: _apply_to_tensors (2.5+) or tree_map (2.4).
+    apply_to_tensors = getattr(state_module, "_apply_to_tensors", None)
+    if apply_to_tensors is None:
+        apply_to_tensors = _attr(state_module, "tree_map", "_apply_to_tensors / tree_map in FSDPState's module")
+
+    composable_state = _import_first(("torch.distributed._composable_state",), "torch.distributed._composable_state")
+    mapping = _attr(composable_state, "_module_state_mapping", "_composable_state._module_state_mapping")
+
+    return Internals(
+        fully_shard=fully_shard,
+        fsdp_state_cls=state_cls,
+        pre_backward=pre_backward,
+        cast_fp_tensor=cast_fp_tensor,
+        apply_to_tensors=apply_to_tensors,
+        module_state_mapping=mapping,
+        needs_cast_replay=_probe_cast_replay(state_cls, pre_backward, mp_policy_cls),
+    )
+
+
+def _fsdp_package() -> Any:
+    """``torch.distributed.fsdp`` where it exports ``fully_shard`` (2.6+), else the 2.4/2.5 path."""
+    for name in _FSDP_PACKAGES:
+        try:
+            package = importlib.import_module(name)
+        except ImportError:  # pragma: no cover - depends on the torch build
+            continue
+        if hasattr(package, "fully_shard"):
+            return package
+    raise UnsupportedTorchError("fully_shard", f"not found in {' or '.join(_FSDP_PACKAGES)}")
+
+
+def torch_version() -> str:
+    """The installed torch's version string, as torch reports it."""
+    return str(torch.__version__)

@@ -1,0 +1,279 @@
+"""The mechanism: capture each sharded module's forward-time state, replay it in the recompute.
+
+Each covered module gets two hooks of its own, next to FSDP's:
+
+* a forward pre-hook, placed first. On an ordinary forward it records the autocast
+  state (per device type in use, and the cache flag) and returns. On a recompute -
+  FSDP state ``PRE_BACKWARD``, or any forward that runs inside backward, which is what
+  reentrant-style checkpoints do - it enters that recorded autocast state where the
+  current one differs and, where this torch skips it, casts the inputs as FSDP's
+  forward did (``param_dtype`` when ``cast_forward_inputs``);
+* a forward hook with ``always_call=True``, placed last. After a recompute it casts the
+  output to ``output_dtype`` where this torch skips it, and exits whatever the pre-hook
+  entered, also when the forward raised.
+
+FSDP's own hooks are not touched. Modules sharded later are covered by a wrapt
+wrapper around ``FSDPState.init``; modules sharded earlier are found through torch's
+composable-state registry. The captured state holds no tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import weakref
+from typing import Any
+
+import torch
+import wrapt
+
+from . import _compat
+
+logger = logging.getLogger("fsdp_autocast_fix")
+
+_GLOBAL = "apply"
+_LOCAL = "patched_fully_shard"
+
+# Hot-path callables, bound once.
+_any_autocast_enabled = torch._C._is_any_autocast_enabled
+_graph_task_id = torch._C._current_graph_task_id
+_is_autocast_enabled = torch.is_autocast_enabled
+_get_autocast_dtype = torch.get_autocast_dtype
+_is_autocast_cache_enabled = torch.is_autocast_cache_enabled
+
+#: Captured when no autocast is enabled anywhere: the replay disables autocast.
+_ALL_OFF = "all-off"
+
+_lock = threading.RLock()
+#: (id(state), id(module)) -> _Cover. A cover keeps its state (and so the module) alive,
+#: and the module's hook dicts keep the cover alive, so the ids cannot be reused meanwhile.
+_covers: weakref.WeakValueDictionary[tuple[int, int], _Cover] = weakref.WeakValueDictionary()
+_applied = False
+_force = False
+_init_wrapper: Any = None
+
+
+def _capture(device_types: tuple[str, ...]) -> Any:
+    """The autocast state now, as plain scalars: ``((enabled, dtype) per device type, cache)``."""
+    if not _any_autocast_enabled():
+        return _ALL_OFF
+    return tuple([(_is_autocast_enabled(d), _get_autocast_dtype(d)) for d in device_types]), _is_autocast_cache_enabled()
+
+
+def _enter(captured: Any, device_types: tuple[str, ...]) -> contextlib.ExitStack | None:
+    """Enter ``captured`` where the current autocast state differs; None when it is already in force."""
+    current = _capture(device_types)
+    if captured is None or captured == current:
+        return None
+    if captured is _ALL_OFF:
+        captured = tuple((False, _get_autocast_dtype(d)) for d in device_types), _is_autocast_cache_enabled()
+    per_device, cache_enabled = captured
+    stack = contextlib.ExitStack()
+    try:
+        for device_type, (enabled, dtype) in zip(device_types, per_device):
+            stack.enter_context(
+                torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            )
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
+class _Cover:
+    """The capture/replay hooks of one module managed by one FSDP state."""
+
+    __slots__ = ("state", "pre_backward", "device_types", "cast_replay", "captured", "replays", "handles", "owner", "__weakref__")
+
+    def __init__(self, state: Any, module: torch.nn.Module, cast_replay: bool, owner: str) -> None:
+        self.state = state
+        self.pre_backward = _internals().pre_backward
+        device_type = state._device.type
+        self.device_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
+        self.cast_replay = cast_replay
+        self.captured: Any = None  # None until the module's first ordinary forward
+        self.replays: list[tuple[contextlib.ExitStack | None, torch.dtype | None]] = []
+        self.owner = owner
+        self.handles = (
+            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self.post_forward, always_call=True),
+        )
+
+    def pre_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        state = self.state
+        fsdp_recompute = state._training_state is self.pre_backward
+        if not fsdp_recompute and _graph_task_id() == -1:  # an ordinary forward: the hot path
+            self.captured = _capture(self.device_types)
+            return None
+        policy = state._mp_policy
+        cast = self.cast_replay and fsdp_recompute
+        output_dtype = policy.output_dtype if cast else None
+        self.replays.append((_enter(self.captured, self.device_types), output_dtype))
+        if cast and policy.cast_forward_inputs and policy.param_dtype is not None:
+            return _cast(policy.param_dtype, args), _cast(policy.param_dtype, kwargs)
+        return None
+
+    def post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if not self.replays:  # no recompute in flight: the hot path
+            return None
+        stack, output_dtype = self.replays.pop()
+        try:
+            if output_dtype is not None:
+                output = _cast(output_dtype, output)
+        finally:
+            if stack is not None:
+                stack.close()
+        return output
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.replays.clear()
+
+
+def _cast(dtype: torch.dtype, tree: Any) -> Any:
+    internals = _internals()
+    return internals.apply_to_tensors(functools.partial(internals.cast_fp_tensor, dtype), tree)
+
+
+def _internals() -> _compat.Internals:
+    return _compat.load()
+
+
+def _cover_state(internals: _compat.Internals, state: Any, owner: str) -> int:
+    """Cover every module of ``state`` not covered yet; return how many were added."""
+    modules = _compat.modules_of(state)
+    cast_replay = (internals.needs_cast_replay or _force) and len(modules) == 1
+    if len(modules) > 1 and (internals.needs_cast_replay or _force):
+        logger.info("grouped fully_shard(%d modules): autocast replay only, no cast replay", len(modules))
+    added = 0
+    for module in modules:
+        key = (id(state), id(module))
+        cover = _covers.get(key)
+        if cover is not None:
+            if owner == _LOCAL:
+                cover.owner = _LOCAL  # patched_fully_shard's cover outlives remove()
+            continue
+        _covers[key] = _Cover(state, module, cast_replay, owner)
+        added += 1
+    return added
+
+
+def _check_state(state: Any) -> None:
+    for name in ("_training_state", "_mp_policy", "_device"):
+        if not hasattr(state, name):
+            raise _compat.UnsupportedTorchError(f"FSDPState.{name}", "missing on a sharded module's state")
+    _compat.modules_of(state)
+
+
+def _init_wrapper_fn(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = wrapped(*args, **kwargs)
+    with _lock:
+        if _applied:
+            _cover_state(_internals(), instance, _GLOBAL)
+    return result
+
+
+def apply(*, force: bool = False) -> bool:
+    """Patch process-wide: every module sharded with ``fully_shard``, before or after this call.
+
+    Idempotent. Returns True if it changed anything (first call, or a new ``force``).
+    On a torch whose recompute already casts (2.13+), the cast replay is left to torch
+    unless ``force=True``; the autocast replay is active on every torch.
+
+    Raises:
+        UnsupportedTorchError: an internal the patch relies on is missing or changed;
+            nothing is patched.
+    """
+    global _applied, _force, _init_wrapper
+    internals = _internals()
+    with _lock:
+        if _applied and force == _force:
+            return False
+        if _applied:
+            _force = force
+            for cover in list(_covers.values()):
+                if cover.owner == _GLOBAL and len(_compat.modules_of(cover.state)) == 1:
+                    cover.cast_replay = internals.needs_cast_replay or force
+            logger.info("fsdp_autocast_fix: force=%s", force)
+            return True
+        states = internals.all_states()
+        for state in states:
+            _check_state(state)  # all checks before any change
+        _force = force
+        if _init_wrapper is None:
+            _init_wrapper = wrapt.wrap_function_wrapper(internals.fsdp_state_cls, "init", _init_wrapper_fn)
+        _applied = True
+        retrofitted = sum(_cover_state(internals, state, _GLOBAL) for state in states)
+    if internals.needs_cast_replay or force:
+        logger.info("fsdp_autocast_fix applied (torch %s): cast and autocast replay; %d already-sharded "
+                    "modules retrofitted", _compat.torch_version(), retrofitted)
+    else:
+        logger.info("fsdp_autocast_fix applied (torch %s): this torch already casts in the recompute, so "
+                    "the cast replay is left to torch (force=True to replay it anyway); autocast replay "
+                    "active; %d already-sharded modules retrofitted", _compat.torch_version(), retrofitted)
+    return True
+
+
+def remove() -> None:
+    """Undo everything :func:`apply` did, modules it retrofitted included.
+
+    Modules sharded with :func:`patched_fully_shard` stay covered. A no-op when
+    nothing is applied.
+    """
+    global _applied, _force, _init_wrapper
+    with _lock:
+        if not _applied:
+            return
+        _applied = False
+        _force = False
+        state_cls = _internals().fsdp_state_cls
+        if _init_wrapper is not None and state_cls.__dict__.get("init") is _init_wrapper:
+            state_cls.init = _init_wrapper.__wrapped__
+            _init_wrapper = None
+        else:  # someone wrapped on top of us: stay in place, inert while not applied
+            logger.warning("FSDPState.init was wrapped again after apply(); leaving our inert wrapper in place")
+        for key, cover in list(_covers.items()):
+            if cover.owner == _GLOBAL:
+                cover.remove()
+                del _covers[key]
+    logger.info("fsdp_autocast_fix removed")
+
+
+def is_applied() -> bool:
+    """Whether :func:`apply` is in force."""
+    return _applied
+
+
+def forced() -> bool:
+    """Whether :func:`apply` was called with ``force=True``."""
+    return _force
+
+
+def covered_modules() -> int:
+    """How many sharded modules have the capture/replay hooks now."""
+    return len(_covers)
+
+
+def patched_fully_shard(*args: Any, **kwargs: Any) -> Any:
+    """``fully_shard`` that also covers the modules it shards; no global patch.
+
+    Same signature, return value and errors as the installed ``fully_shard``.
+
+    Raises:
+        UnsupportedTorchError: before sharding, if an internal the patch relies on
+            is missing or changed.
+    """
+    internals = _internals()
+    result = internals.fully_shard(*args, **kwargs)
+    target = args[0] if args else kwargs.get("module")
+    modules = list(target) if isinstance(target, (list, tuple)) else [target]
+    with _lock:
+        for module in modules:
+            state = internals.state_of(module)
+            if state is not None:
+                _check_state(state)
+                _cover_state(internals, state, _LOCAL)
+    return result

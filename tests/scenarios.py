@@ -1,0 +1,220 @@
+"""Bug scenarios: each builds a small model, shards it, runs one checkpointed step, returns gradients.
+
+A scenario runs in one of these modes:
+
+* ``reference``: stock ``fully_shard``, no checkpoint - what the gradients must be;
+* ``stock``: stock ``fully_shard`` with the checkpoint (the positive control);
+* ``apply``: ``fsdp_autocast_fix.apply()`` before sharding;
+* ``late_apply``: ``fsdp_autocast_fix.apply()`` after sharding, before the forward;
+* ``patched_fully_shard``: ``patched_fully_shard`` instead of ``fully_shard``, no global patch.
+
+Needs a process group (world size 1 or more); everything runs on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import fsdp_autocast_fix
+from fsdp_autocast_fix import _compat
+
+MODES = ("stock", "apply", "late_apply", "patched_fully_shard")
+FIXED_MODES = MODES[1:]
+BF16 = torch.bfloat16
+DIM = 16
+
+
+def _fsdp() -> tuple[Callable[..., Any], type]:
+    package = _compat._fsdp_package()
+    return package.fully_shard, package.MixedPrecisionPolicy
+
+
+class GeluLinear(nn.Module):
+    """The seed's module: an elementwise op first, then a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(F.gelu(x))
+
+
+class FloatFirst(nn.Module):
+    """Starts with ``x.float()``: the recompute sees unrounded values with the same metadata."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return self.lin(h * h)
+
+
+class RecomputeWithoutAutocast(torch.autograd.Function):
+    """A hand-written checkpoint that re-runs forward in backward without restoring autocast."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.fn(x)
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One bug pattern; ``broken_stock`` says whether the positive control must fail on this torch."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    shard: Callable[[nn.Module, Callable[..., Any], type], list[nn.Module]]
+    step: Callable[[nn.Module, torch.Tensor, bool], torch.Tensor]
+    broken_on_buggy_torch: bool = True
+    broken_on_fixed_torch: bool = False
+
+    def broken_stock(self) -> bool:
+        needs = _compat.load().needs_cast_replay
+        return self.broken_on_buggy_torch if needs else self.broken_on_fixed_torch
+
+
+def _shard_root(policy_kwargs: dict[str, Any]) -> Callable[[nn.Module, Callable[..., Any], type], list[nn.Module]]:
+    def shard(model: nn.Module, fully_shard: Callable[..., Any], policy_cls: type) -> list[nn.Module]:
+        fully_shard(model, mp_policy=policy_cls(**policy_kwargs))
+        return [model]
+
+    return shard
+
+
+def _shard_layers(model: nn.Module, fully_shard: Callable[..., Any], policy_cls: type) -> list[nn.Module]:
+    for layer in model:
+        fully_shard(layer, mp_policy=policy_cls(param_dtype=BF16, output_dtype=torch.float32))
+    return list(model)
+
+
+def _autocast() -> Any:
+    return torch.autocast("cpu", dtype=BF16)
+
+
+def _ckpt(fn: Callable[..., Any], x: torch.Tensor, use_checkpoint: bool, reentrant: bool = False) -> Any:
+    return checkpoint(fn, x, use_reentrant=reentrant) if use_checkpoint else fn(x)
+
+
+def _seed_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    with _autocast():
+        out = _ckpt(model, x, use_checkpoint)
+        out.float().sum().backward()
+    return out
+
+
+def _seed_backward_outside(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    with _autocast():
+        out = _ckpt(model, x, use_checkpoint)
+    out.float().sum().backward()
+    return out
+
+
+def _no_autocast_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    out = _ckpt(model, x, use_checkpoint)
+    out.float().sum().backward()
+    return out
+
+
+def _reentrant_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    with _autocast():
+        out = _ckpt(model, x, use_checkpoint, reentrant=True)
+        out.float().sum().backward()
+    return out
+
+
+def _stack_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    h = x
+    for layer in model:
+        h = _ckpt(layer, h, use_checkpoint)
+    h.sum().backward()
+    return h
+
+
+def _custom_function_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    with _autocast():
+        out = RecomputeWithoutAutocast.apply(model, x) if use_checkpoint else model(x)
+    out.float().sum().backward()
+    return out
+
+
+SEED_POLICY = {"param_dtype": BF16}
+SCENARIOS = {
+    s.name: s
+    for s in [
+        Scenario("seed", GeluLinear, _shard_root(SEED_POLICY), _seed_step),
+        Scenario("seed_backward_outside_autocast", GeluLinear, _shard_root(SEED_POLICY), _seed_backward_outside),
+        Scenario("mixed_precision_without_autocast", GeluLinear, _shard_root(SEED_POLICY), _no_autocast_step),
+        Scenario("float_first", FloatFirst, _shard_root(SEED_POLICY), _seed_step),
+        Scenario("stack_output_dtype_fp32", lambda: nn.Sequential(*[GeluLinear() for _ in range(3)]),
+                 _shard_layers, _stack_step),
+        Scenario("reentrant", GeluLinear, _shard_root(SEED_POLICY), _reentrant_step,
+                 broken_on_buggy_torch=False),
+        # Parameters stay fp32 here, so only autocast makes the linear layer run in bf16.
+        Scenario("custom_function_checkpoint", GeluLinear, _shard_root({}), _custom_function_step,
+                 broken_on_fixed_torch=True),
+    ]
+}
+
+
+@dataclass
+class Result:
+    """Gradients of one run: the input's, then each parameter's (full tensors), or the error raised."""
+
+    grads: list[torch.Tensor] | None = None
+    error: BaseException | None = None
+
+    def same_as(self, other: Result) -> bool:
+        """Bitwise equality of every gradient, dtypes included."""
+        assert self.grads is not None and other.grads is not None
+        return len(self.grads) == len(other.grads) and all(
+            a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(self.grads, other.grads)
+        )
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def run(scenario: Scenario, mode: str, seed: int = 0) -> Result:
+    """Run ``scenario`` once in ``mode`` (see the module docstring); never leaves a patch applied."""
+    fully_shard, policy_cls = _fsdp()
+    torch.manual_seed(seed)
+    model = scenario.build()
+    x = torch.randn(4, DIM, requires_grad=True)
+    if mode == "patched_fully_shard":
+        fully_shard = fsdp_autocast_fix.patched_fully_shard
+    guard = fsdp_autocast_fix.patched() if mode == "apply" else contextlib.nullcontext()
+    try:
+        with guard:
+            scenario.shard(model, fully_shard, policy_cls)
+            with fsdp_autocast_fix.patched() if mode == "late_apply" else contextlib.nullcontext():
+                try:
+                    scenario.step(model, x, mode != "reference")
+                except Exception as e:  # the positive control's failure
+                    return Result(error=e)
+    finally:
+        fsdp_autocast_fix.remove()
+    grads = [x.grad] + [_full(p.grad) for p in model.parameters()]
+    return Result(grads=[g.detach().clone() for g in grads])
