@@ -150,7 +150,7 @@ def load() -> Internals:
     if "always_call" not in inspect.signature(torch.nn.Module.register_forward_hook).parameters:
         raise UnsupportedTorchError("nn.Module.register_forward_hook(always_call=...)", "missing")
 
-    package = _fsdp_package()
+    package = fsdp_package()
     fully_shard = package.fully_shard
     mp_policy_cls = _attr(package, "MixedPrecisionPolicy", "MixedPrecisionPolicy")
     for field in ("param_dtype", "output_dtype", "cast_forward_inputs"):
@@ -187,7 +187,7 @@ def load() -> Internals:
     )
 
 
-def _fsdp_package() -> Any:
+def fsdp_package() -> Any:
     """``torch.distributed.fsdp`` where it exports ``fully_shard`` (2.6+), else the 2.4/2.5 path."""
     for name in _FSDP_PACKAGES:
         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import threading
 import weakref
@@ -277,3 +278,13 @@ def patched_fully_shard(*args: Any, **kwargs: Any) -> Any:
                 _check_state(state)
                 _cover_state(internals, state, _LOCAL)
     return result
+
+
+def _adopt_fully_shard_signature() -> None:
+    try:
+        patched_fully_shard.__signature__ = inspect.signature(_compat.fsdp_package().fully_shard)  # type: ignore[attr-defined]
+    except (_compat.UnsupportedTorchError, TypeError, ValueError):  # pragma: no cover - unsupported torch
+        pass
+
+
+_adopt_fully_shard_signature()

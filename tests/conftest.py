@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -34,5 +35,6 @@ def pg() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _clean_patch() -> Iterator[None]:
     fsdp_autocast_fix.remove()
+    gc.collect()  # sharded modules from earlier tests live in reference cycles until collected
     yield
     fsdp_autocast_fix.remove()

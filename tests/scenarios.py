@@ -32,7 +32,7 @@ DIM = 16
 
 
 def _fsdp() -> tuple[Callable[..., Any], type]:
-    package = _compat._fsdp_package()
+    package = _compat.fsdp_package()
     return package.fully_shard, package.MixedPrecisionPolicy
 
 
@@ -218,3 +218,31 @@ def run(scenario: Scenario, mode: str, seed: int = 0) -> Result:
         fsdp_autocast_fix.remove()
     grads = [x.grad] + [_full(p.grad) for p in model.parameters()]
     return Result(grads=[g.detach().clone() for g in grads])
+
+
+def _cell(result: Result, reference: Result) -> str:
+    if result.error is not None:
+        return f"fails ({type(result.error).__name__})"
+    return "bitwise equal" if result.same_as(reference) else "wrong gradients"
+
+
+def table() -> str:
+    """Markdown table: scenario x stock x apply x late apply x patched_fully_shard, measured now."""
+    rows = [f"torch {torch.__version__} (needs cast replay: {_compat.load().needs_cast_replay})", "",
+            "| scenario | " + " | ".join(MODES) + " |", "|---" * (len(MODES) + 1) + "|"]
+    for name, scenario in SCENARIOS.items():
+        reference = run(scenario, "reference")
+        rows.append(f"| {name} | " + " | ".join(_cell(run(scenario, m), reference) for m in MODES) + " |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import warnings
+
+    import torch.distributed as dist
+    from conftest import free_port
+
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    print(table())
+    dist.destroy_process_group()

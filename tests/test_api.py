@@ -1,0 +1,207 @@
+"""apply / remove / patched / patched_fully_shard / status, failure modes, autocast hygiene."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import pytest
+import scenarios as S
+import torch
+import torch.nn as nn
+import wrapt
+
+import fsdp_autocast_fix
+from fsdp_autocast_fix import UnsupportedTorchError, _compat, _patch
+
+pytestmark = pytest.mark.usefixtures("pg")
+
+
+def _state_cls() -> type:
+    return _compat.load().fsdp_state_cls
+
+
+def _sharded(patched: bool = False) -> nn.Module:
+    fully_shard, policy_cls = S._fsdp()
+    if patched:
+        fully_shard = fsdp_autocast_fix.patched_fully_shard
+    layer = S.GeluLinear()
+    fully_shard(layer, mp_policy=policy_cls(param_dtype=S.BF16))
+    return layer
+
+
+def _hook_count(module: nn.Module) -> tuple[int, int]:
+    return len(module._forward_pre_hooks), len(module._forward_hooks)
+
+
+def test_apply_is_idempotent_and_remove_restores_stock() -> None:
+    original = _state_cls().__dict__["init"]
+    before = _sharded()
+    stock_hooks = _hook_count(before)
+    assert fsdp_autocast_fix.apply() is True
+    assert fsdp_autocast_fix.apply() is False
+    assert isinstance(_state_cls().__dict__["init"], wrapt.FunctionWrapper)
+    assert _state_cls().init.__name__ == "init"
+    assert inspect.signature(_state_cls().init) == inspect.signature(original)
+    after = _sharded()
+    assert _hook_count(before) == _hook_count(after) == (stock_hooks[0] + 1, stock_hooks[1] + 1)
+    fsdp_autocast_fix.remove()
+    assert _state_cls().__dict__["init"] is original
+    assert _hook_count(before) == _hook_count(after) == stock_hooks
+    fsdp_autocast_fix.remove()  # no-op
+    assert fsdp_autocast_fix.status().covered_modules == 0
+
+
+def test_force_changes_the_cast_replay() -> None:
+    needs = _compat.load().needs_cast_replay
+    assert fsdp_autocast_fix.apply() is True
+    assert fsdp_autocast_fix.status().cast_replay_active is needs
+    assert fsdp_autocast_fix.apply(force=True) is True
+    assert fsdp_autocast_fix.status().cast_replay_active is True
+    assert fsdp_autocast_fix.apply(force=True) is False
+
+
+def test_patched_is_nesting_safe() -> None:
+    with fsdp_autocast_fix.patched():
+        with fsdp_autocast_fix.patched():
+            assert fsdp_autocast_fix.status().patched_globally
+        assert fsdp_autocast_fix.status().patched_globally
+    assert not fsdp_autocast_fix.status().patched_globally
+    fsdp_autocast_fix.apply()
+    with fsdp_autocast_fix.patched(force=True):
+        assert _patch.forced()
+    assert fsdp_autocast_fix.status().patched_globally and not _patch.forced()
+
+
+def test_patched_restores_on_exception() -> None:
+    with pytest.raises(ZeroDivisionError), fsdp_autocast_fix.patched():
+        1 / 0
+    assert not fsdp_autocast_fix.status().patched_globally
+
+
+def test_patched_fully_shard_covers_only_its_modules_and_survives_remove() -> None:
+    plain = _sharded()
+    covered = _sharded(patched=True)
+    assert fsdp_autocast_fix.status().covered_modules == 1
+    assert not fsdp_autocast_fix.status().patched_globally
+    fsdp_autocast_fix.apply()
+    assert fsdp_autocast_fix.status().covered_modules == 2
+    fsdp_autocast_fix.remove()
+    assert fsdp_autocast_fix.status().covered_modules == 1
+    del plain, covered
+
+
+def test_patched_fully_shard_has_fully_shards_signature_and_return() -> None:
+    fully_shard, policy_cls = S._fsdp()
+    layer = S.GeluLinear()
+    assert fsdp_autocast_fix.patched_fully_shard(layer, mp_policy=policy_cls()) is layer
+    assert type(layer).__name__ == f"FSDP{S.GeluLinear.__name__}"
+    assert inspect.signature(fsdp_autocast_fix.patched_fully_shard) == inspect.signature(fully_shard)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: ("not a module",),
+    lambda: (S.GeluLinear(), "positional-garbage-mesh"),
+])
+def test_patched_fully_shard_rejects_what_fully_shard_rejects(bad) -> None:
+    fully_shard, _ = S._fsdp()
+    with pytest.raises(Exception) as stock:
+        fully_shard(*bad())
+    with pytest.raises(type(stock.value)):
+        fsdp_autocast_fix.patched_fully_shard(*bad())
+    assert fsdp_autocast_fix.status().covered_modules == 0
+
+
+def test_patched_fully_shard_rejects_unknown_keyword() -> None:
+    fully_shard, _ = S._fsdp()
+    with pytest.raises(TypeError):
+        fully_shard(S.GeluLinear(), no_such_option=True)
+    with pytest.raises(TypeError):
+        fsdp_autocast_fix.patched_fully_shard(S.GeluLinear(), no_such_option=True)
+
+
+def test_status() -> None:
+    s = fsdp_autocast_fix.status()
+    assert s.torch_version == torch.__version__
+    assert s.needs_cast_replay is _compat.load().needs_cast_replay
+    assert (s.patched_globally, s.autocast_replay_active, s.covered_modules, s.unsupported) == (False, False, 0, None)
+    layer = _sharded()
+    fsdp_autocast_fix.apply()
+    s = fsdp_autocast_fix.status()
+    assert (s.patched_globally, s.autocast_replay_active, s.covered_modules) == (True, True, 1)
+    with pytest.raises(AttributeError):
+        s.covered_modules = 3  # type: ignore[misc]
+    del layer
+
+
+def test_apply_logs_what_it_does(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="fsdp_autocast_fix"):
+        fsdp_autocast_fix.apply()
+    text = caplog.text
+    if _compat.load().needs_cast_replay:
+        assert "cast and autocast replay" in text
+    else:
+        assert "left to torch" in text
+
+
+@pytest.mark.parametrize("missing", ["init", "_pre_forward"])
+def test_missing_internal_raises_typed_error_and_patches_nothing(
+        monkeypatch: pytest.MonkeyPatch, missing: str) -> None:
+    layer = _sharded()
+    hooks = _hook_count(layer)
+    original_init = _state_cls().__dict__["init"]
+    monkeypatch.delattr(_state_cls(), missing)
+    _compat.load.cache_clear()
+    try:
+        with pytest.raises(UnsupportedTorchError, match=f"FSDPState.{missing}") as err:
+            fsdp_autocast_fix.apply()
+        assert isinstance(err.value, RuntimeError) and err.value.internal == f"FSDPState.{missing}"
+        with pytest.raises(UnsupportedTorchError):
+            fsdp_autocast_fix.patched_fully_shard(S.GeluLinear())
+        assert fsdp_autocast_fix.status().unsupported is not None
+    finally:
+        monkeypatch.undo()
+        _compat.load.cache_clear()
+    assert _state_cls().__dict__["init"] is original_init
+    assert _hook_count(layer) == hooks
+    assert not fsdp_autocast_fix.status().patched_globally
+
+
+def _autocast_state() -> tuple[object, ...]:
+    return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled())
+
+
+class Boom(Exception):
+    pass
+
+
+class RaisesInRecompute(S.GeluLinear):
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        if torch.is_autocast_enabled("cpu") and torch._C._current_graph_task_id() != -1:
+            raise Boom("only in the recompute")
+        return super().forward(x)
+
+
+def test_exception_in_recompute_leaves_autocast_as_it_was() -> None:
+    """The custom checkpoint recomputes with autocast off; the replay turns it on, then the forward raises."""
+    fully_shard, policy_cls = S._fsdp()
+    fsdp_autocast_fix.apply()
+    layer = RaisesInRecompute()
+    fully_shard(layer, mp_policy=policy_cls())
+    x = torch.randn(4, S.DIM, requires_grad=True)
+    with torch.autocast("cpu", dtype=S.BF16):
+        out = S.RecomputeWithoutAutocast.apply(layer, x)
+    before = _autocast_state()
+    with pytest.raises(Boom):
+        out.float().sum().backward()
+    assert _autocast_state() == before
+    assert not torch.is_autocast_enabled("cpu")
+    assert all(not cover.replays for cover in _patch._covers.values())
+
+
+def test_public_names_have_docstrings() -> None:
+    for name in fsdp_autocast_fix.__all__:
+        assert getattr(fsdp_autocast_fix, name).__doc__, name
