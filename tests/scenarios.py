@@ -236,7 +236,20 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def measure() -> dict[str, Any]:
+    """The scenario table as data: torch version, whether it needs the cast replay, a cell per mode."""
+    cells: dict[str, dict[str, str]] = {}
+    for name, scenario in SCENARIOS.items():
+        reference = run(scenario, "reference")
+        cells[name] = {m: _cell(run(scenario, m), reference) for m in MODES}
+        cells[name]["broken_stock_expected"] = str(scenario.broken_stock())
+    return {"torch": str(torch.__version__), "needs_cast_replay": _compat.load().needs_cast_replay,
+            "scenarios": cells}
+
+
 if __name__ == "__main__":
+    import json
+    import sys
     import warnings
 
     import torch.distributed as dist
@@ -244,5 +257,9 @@ if __name__ == "__main__":
 
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    print(table())
+    if sys.argv[1:2] == ["--json"]:
+        with open(sys.argv[2], "w") as f:
+            json.dump(measure(), f, indent=1)
+    else:
+        print(table())
     dist.destroy_process_group()
