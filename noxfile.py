@@ -14,8 +14,12 @@ nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
 
-BUGGY = ["2.12.1"]
-FIXED = ["2.13.0"]
+#: Run by ``python3 -m nox`` (the README's test command and CI): oldest and newest buggy, one fixed.
+CI = ["2.7.1", "2.12.1", "2.13.0"]
+#: FSDP2 runs on CPU from 2.7: the whole suite. 2.15.0 is above pip's cap on these machines; uv ignores it.
+CPU_MATRIX = ["2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
+#: FSDP2 needs CUDA on these: only the checks that need no forward (tests/test_structural.py).
+STRUCTURAL = ["2.4.1", "2.5.1", "2.6.0"]
 LOCAL_WHEELS = "/opt/wheels"
 
 
@@ -27,12 +31,45 @@ def _install_torch(session: nox.Session, version: str) -> None:
 
 
 @nox.session(python="3.11")
-@nox.parametrize("torch", BUGGY + FIXED, ids=BUGGY + FIXED)
+@nox.parametrize("torch", CI, ids=CI)
 def tests(session: nox.Session, torch: str) -> None:
     """The whole suite against one torch release."""
     _install_torch(session, torch)
     session.install("-e", ".[test]")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+@nox.session(python="3.11", name="matrix-run")
+@nox.parametrize("torch", STRUCTURAL + CPU_MATRIX, ids=STRUCTURAL + CPU_MATRIX)
+def matrix_run(session: nox.Session, torch: str) -> None:
+    """One torch of the version matrix: the suite with a JUnit report, plus the measured scenario table."""
+    _install_torch(session, torch)
+    session.install("-e", ".[test]")
+    os.makedirs(".matrix", exist_ok=True)
+    paths = ["tests/test_structural.py"] if torch in STRUCTURAL else []
+    session.run("python", "-m", "pytest", "-q", f"--junitxml=.matrix/torch-{torch}.xml", *paths,
+                success_codes=[0, 1])
+    if torch in STRUCTURAL:
+        session.run("python", "-c", "import json, torch, fsdp_autocast_fix as f; s = f.status(); "
+                    f"json.dump({{'torch': s.torch_version, 'needs_cast_replay': s.needs_cast_replay}}, "
+                    f"open('.matrix/torch-{torch}.meta.json', 'w'))")
+    else:
+        session.run("python", "tests/scenarios.py", "--json", f".matrix/torch-{torch}.json")
+
+
+@nox.session(python=False)
+def matrix(session: nox.Session) -> None:
+    """The whole version matrix, then ``matrix/results.json`` and README's table from it."""
+    session.run("rm", "-rf", ".matrix", external=True)
+    for torch in STRUCTURAL + CPU_MATRIX:
+        session.notify(f"matrix-run({torch})")
+    session.notify("matrix-report")
+
+
+@nox.session(python=False, name="matrix-report")
+def matrix_report(session: nox.Session) -> None:
+    """Fold ``.matrix/`` into ``matrix/results.json`` and README's table (fails if any run failed)."""
+    session.run("python3", "tests/matrix_report.py")
 
 
 @nox.session(python="3.11")
@@ -44,7 +81,7 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
-@nox.parametrize("torch", BUGGY + FIXED, ids=BUGGY + FIXED)
+@nox.parametrize("torch", CI, ids=CI)
 def table(session: nox.Session, torch: str) -> None:
     """Print the scenario table (stock / apply / late apply / patched_fully_shard) for one torch."""
     _install_torch(session, torch)

@@ -58,6 +58,7 @@ class Internals:
     cast_fp_tensor: Callable[[torch.dtype, Any], Any]
     apply_to_tensors: Callable[[Callable[[Any], Any], Any], Any]
     module_state_mapping: Any  # dict or WeakKeyDictionary: module -> state (or weakref)
+    to_kwargs: Callable[..., Any]  # torch.distributed.utils._to_kwargs, FSDP's root input move
     needs_cast_replay: bool
 
     def state_of(self, module: torch.nn.Module) -> Any | None:
@@ -173,6 +174,8 @@ def load() -> Internals:
     if apply_to_tensors is None:
         apply_to_tensors = _attr(state_module, "tree_map", "_apply_to_tensors / tree_map in FSDPState's module")
 
+    to_kwargs = _attr(_import_first(("torch.distributed.utils",), "torch.distributed.utils"), "_to_kwargs",
+                      "torch.distributed.utils._to_kwargs")
     composable_state = _import_first(("torch.distributed._composable_state",), "torch.distributed._composable_state")
     mapping = _attr(composable_state, "_module_state_mapping", "_composable_state._module_state_mapping")
 
@@ -183,6 +186,7 @@ def load() -> Internals:
         cast_fp_tensor=cast_fp_tensor,
         apply_to_tensors=apply_to_tensors,
         module_state_mapping=mapping,
+        to_kwargs=to_kwargs,
         needs_cast_replay=_probe_cast_replay(state_cls, pre_backward, mp_policy_cls),
     )
 

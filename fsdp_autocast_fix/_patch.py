@@ -46,6 +46,8 @@ _is_autocast_cache_enabled = torch.is_autocast_cache_enabled
 
 #: Captured when no autocast is enabled anywhere: the replay disables autocast.
 _ALL_OFF = "all-off"
+#: Device types whose forward root FSDP moves inputs to (``FSDPState._root_pre_forward``).
+_MOVING_DEVICE_TYPES = frozenset({"cuda", "hpu", "xpu", "mtia", torch._C._get_privateuse1_backend_name()})
 
 _lock = threading.RLock()
 #: (id(state), id(module)) -> _Cover. A cover keeps its state (and so the module) alive,
@@ -86,13 +88,16 @@ def _enter(captured: Any, device_types: tuple[str, ...]) -> contextlib.ExitStack
 class _Cover:
     """The capture/replay hooks of one module managed by one FSDP state."""
 
-    __slots__ = ("state", "pre_backward", "device_types", "cast_replay", "captured", "replays", "handles", "owner", "__weakref__")
+    __slots__ = ("state", "pre_backward", "device_types", "may_move", "moved", "cast_replay", "captured", "replays",
+                 "handles", "owner", "__weakref__")
 
     def __init__(self, state: Any, module: torch.nn.Module, cast_replay: bool, owner: str) -> None:
         self.state = state
         self.pre_backward = _internals().pre_backward
         device_type = state._device.type
         self.device_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
+        self.may_move = device_type in _MOVING_DEVICE_TYPES
+        self.moved = False  # whether FSDP moved this module's inputs to its device in the last forward
         self.cast_replay = cast_replay
         self.captured: Any = None  # None until the module's first ordinary forward
         self.replays: list[tuple[contextlib.ExitStack | None, torch.dtype | None]] = []
@@ -107,14 +112,19 @@ class _Cover:
         fsdp_recompute = state._training_state is self.pre_backward
         if not fsdp_recompute and _graph_task_id() == -1:  # an ordinary forward: the hot path
             self.captured = _capture(self.device_types)
+            if self.may_move:  # FSDP's forward root moves the inputs to its device
+                self.moved = state._state_ctx.iter_forward_root is None
             return None
         policy = state._mp_policy
         cast = self.cast_replay and fsdp_recompute
         output_dtype = policy.output_dtype if cast else None
         self.replays.append((_enter(self.captured, self.device_types), output_dtype))
+        if fsdp_recompute and self.moved:  # not replayed by any torch release yet
+            args_tuple, kwargs_tuple = _internals().to_kwargs(args, kwargs, state._device, False)
+            args, kwargs = args_tuple[0], kwargs_tuple[0]
         if cast and policy.cast_forward_inputs and policy.param_dtype is not None:
             return _cast(policy.param_dtype, args), _cast(policy.param_dtype, kwargs)
-        return None
+        return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if not self.replays:  # no recompute in flight: the hot path
@@ -166,6 +176,9 @@ def _check_state(state: Any) -> None:
     for name in ("_training_state", "_mp_policy", "_device"):
         if not hasattr(state, name):
             raise _compat.UnsupportedTorchError(f"FSDPState.{name}", "missing on a sharded module's state")
+    if state._device.type in _MOVING_DEVICE_TYPES and not hasattr(getattr(state, "_state_ctx", None),
+                                                                  "iter_forward_root"):
+        raise _compat.UnsupportedTorchError("FSDPState._state_ctx.iter_forward_root", "missing")
     _compat.modules_of(state)
 
 

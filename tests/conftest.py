@@ -23,11 +23,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: ``nccl`` for the GPU check (tests/gpu_check.sh); gloo on CPU otherwise.
+BACKEND = os.environ.get("FSDP_AUTOCAST_FIX_TEST_BACKEND", "gloo")
+
+
 @pytest.fixture(scope="session")
 def pg() -> Iterator[None]:
-    """One gloo process group of world size 1 for the whole session."""
+    """One process group of world size 1 for the whole session (gloo on 127.0.0.1 unless told otherwise)."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        if BACKEND == "nccl":
+            import torch
+
+            torch.cuda.set_device(0)
+        dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -1,0 +1,84 @@
+"""Fold the matrix runs (``.matrix/torch-*.json`` and ``.xml``) into ``matrix/results.json`` and README's table.
+
+Run by ``python3 -m nox -s matrix`` after the per-version sessions; needs no torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import re
+import sys
+import xml.etree.ElementTree as ET
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RAW = ROOT / ".matrix"
+RESULTS = ROOT / "matrix" / "results.json"
+README = ROOT / "README.md"
+START, END = "<!-- matrix:start -->", "<!-- matrix:end -->"
+COMMAND = "python3 -m nox -s matrix"
+
+
+def _version_key(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", v)[:3])
+
+
+def _junit(path: pathlib.Path) -> dict[str, int]:
+    suite = ET.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return counts
+
+
+def _row(requested: str) -> dict[str, object]:
+    row: dict[str, object] = {"requested": requested, "tests": _junit(RAW / f"torch-{requested}.xml")}
+    scen_path = RAW / f"torch-{requested}.json"
+    if scen_path.exists():
+        data = json.loads(scen_path.read_text())
+        cells = data["scenarios"]
+        controls = sum(
+            (c["stock"] != "bitwise equal") == (c["broken_stock_expected"] == "True") for c in cells.values()
+        )
+        fixed = sum(all(c[m] == "bitwise equal" for m in ("apply", "late_apply", "patched_fully_shard"))
+                    for c in cells.values())
+        row.update(torch=data["torch"], needs_cast_replay=data["needs_cast_replay"], scenarios=cells,
+                   positive_controls_as_expected=f"{controls}/{len(cells)}",
+                   scenarios_fixed=f"{fixed}/{len(cells)}", suite="full")
+    else:
+        meta = json.loads((RAW / f"torch-{requested}.meta.json").read_text())
+        row.update(torch=meta["torch"], needs_cast_replay=meta["needs_cast_replay"],
+                   positive_controls_as_expected="n/a (no FSDP2 on CPU)", scenarios_fixed="n/a",
+                   suite="structural")
+    return row
+
+
+def main() -> int:
+    """Write the results file and README's table; exit non-zero if any run had failures."""
+    versions = sorted({p.name[len("torch-"):-len(".xml")] for p in RAW.glob("torch-*.xml")}, key=_version_key)
+    rows = [_row(v) for v in versions]
+    today = datetime.date.today().isoformat()
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"date": today, "command": COMMAND, "runs": rows}, indent=1) + "\n")
+    lines = [START, f"Measured {today} with `{COMMAND}` (CPU, gloo; generated from `matrix/results.json`):", "",
+             "| torch | needs cast replay | positive controls as expected | scenarios fixed (3 ways, bitwise) "
+             "| tests passed | suite |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["tests"]
+        lines.append(f"| {r['torch']} | {r['needs_cast_replay']} | {r['positive_controls_as_expected']} | "
+                     f"{r['scenarios_fixed']} | {t['passed']}/{t['tests']} | {r['suite']} |")
+    lines.append(END)
+    text = README.read_text()
+    block = "\n".join(lines)
+    README.write_text(re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+                      if START in text else text.rstrip("\n") + "\n\n" + block + "\n")
+    bad = [r["torch"] for r in rows if r["tests"]["failures"] or r["tests"]["errors"]]
+    print(block)
+    if bad:
+        print(f"failures on: {bad}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

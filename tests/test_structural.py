@@ -1,0 +1,90 @@
+"""Checks that need no FSDP2 forward, so they run on every torch from 2.4 (where FSDP2 needs CUDA) up.
+
+Also: how "needs the cast replay" is decided, independent of the version string.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_autocast_fix
+from fsdp_autocast_fix import _compat
+
+pytestmark = pytest.mark.usefixtures("pg")
+
+
+def _base_version() -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()  # type: ignore[union-attr]
+    return int(major), int(minor)
+
+
+def test_finds_the_right_fully_shard() -> None:
+    package = _compat.fsdp_package()
+    import torch.distributed.fsdp as public
+
+    if hasattr(public, "fully_shard"):  # 2.6+
+        assert package is public
+    else:  # 2.4, 2.5
+        assert package.__name__ == "torch.distributed._composable.fsdp"
+    assert _compat.load().fully_shard is package.fully_shard
+    assert inspect.signature(fsdp_autocast_fix.patched_fully_shard) == inspect.signature(package.fully_shard)
+
+
+def test_apply_remove_status_patched_cycle() -> None:
+    state_cls = _compat.load().fsdp_state_cls
+    original = state_cls.__dict__["init"]
+    for _ in range(3):
+        assert fsdp_autocast_fix.apply() is True
+        assert fsdp_autocast_fix.status().patched_globally
+        fsdp_autocast_fix.remove()
+        assert state_cls.__dict__["init"] is original
+    with fsdp_autocast_fix.patched():
+        assert fsdp_autocast_fix.status().autocast_replay_active
+    assert not fsdp_autocast_fix.status().autocast_replay_active
+
+
+def test_patched_fully_shard_shards_and_covers_or_fails_like_fully_shard() -> None:
+    """On CPU, torch 2.4's fully_shard raises at sharding time; later ones shard (2.5, 2.6 fail only in forward)."""
+    fully_shard = _compat.load().fully_shard
+    try:
+        fully_shard(nn.Linear(4, 4))
+    except Exception as stock:
+        with pytest.raises(type(stock)):
+            fsdp_autocast_fix.patched_fully_shard(nn.Linear(4, 4))
+        assert fsdp_autocast_fix.status().covered_modules == 0
+        return
+    layer = nn.Linear(4, 4)
+    assert fsdp_autocast_fix.patched_fully_shard(layer) is layer
+    assert fsdp_autocast_fix.status().covered_modules == 1
+    assert len(layer._forward_pre_hooks) == 2 and len(layer._forward_hooks) == 2
+
+
+@pytest.mark.parametrize("fake", ["2.13.0.dev20260101", "2.12.1+cu130", "2.13.0+cpu", "2.4.0a0+git1234", "99.0"])
+def test_detection_ignores_the_version_string(monkeypatch: pytest.MonkeyPatch, fake: str) -> None:
+    truth = _compat.load().needs_cast_replay
+    monkeypatch.setattr(torch, "__version__", fake)
+    _compat.load.cache_clear()
+    try:
+        assert _compat.load().needs_cast_replay is truth
+        assert fsdp_autocast_fix.status().torch_version == fake
+    finally:
+        monkeypatch.undo()
+        _compat.load.cache_clear()
+
+
+def test_detection_agrees_with_torchs_code() -> None:
+    """Independent check: does the ``PRE_BACKWARD`` branch of ``_pre_forward`` return cast inputs?"""
+    source = inspect.getsource(inspect.unwrap(_compat.load().fsdp_state_cls._pre_forward))
+    branch = source[source.index("TrainingState.PRE_BACKWARD"):]
+    returned = next(line for line in branch.splitlines() if line.strip().startswith("return"))
+    assert _compat.load().needs_cast_replay is ("cast" not in returned)
+
+
+def test_detection_matches_the_known_releases() -> None:
+    """2.4-2.12 skip the casts in the recompute; 2.13 (pytorch PR 182580) and later do them."""
+    assert _compat.load().needs_cast_replay is (_base_version() < (2, 13))
