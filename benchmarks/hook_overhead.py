@@ -1,0 +1,133 @@
+"""Hook overhead: what the patch adds to a sharded module's call, stock vs patched, interleaved in one process.
+
+World size 1, gloo, CPU. Two identical sharded modules with a tiny forward, one stock, one covered
+(``patched_fully_shard``); batches of calls alternate A, B, A, B ... and the median ns per call of each is
+reported, with grad disabled and enabled. FSDP2's own hook time is the stock call minus the same module
+unsharded. The recompute path is timed on the patch's hook functions directly, with the state set to
+``PRE_BACKWARD`` and autocast to replay.
+
+JSON keys: ``torch``, ``grad`` (``off``/``on``), ``unsharded_ns``, ``stock_ns``, ``patched_ns``,
+``fsdp_hook_ns`` (stock - unsharded), ``added_ns`` (patched - stock), ``added_over_fsdp_hook`` (the
+target is <= 0.01), ``ratio`` (patched / stock); and for the paths measured on the hooks directly,
+``path``, ``ns_per_pre_plus_post``.
+
+    python benchmarks/hook_overhead.py [--rounds 60] [--calls 200] [--json out.json] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fsdp_autocast_fix  # noqa: E402
+from fsdp_autocast_fix import _compat, _patch  # noqa: E402
+
+
+def _per_call_ns(module: nn.Module, x: torch.Tensor, calls: int) -> float:
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        module(x)
+    return (time.perf_counter_ns() - start) / calls
+
+
+def _interleaved(modules: dict[str, nn.Module], x: torch.Tensor, rounds: int, calls: int) -> dict[str, float]:
+    samples: dict[str, list[float]] = {name: [] for name in modules}
+    for _ in range(rounds):
+        for name, module in modules.items():
+            samples[name].append(_per_call_ns(module, x, calls))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _hooks_directly(rounds: int, calls: int) -> list[dict[str, Any]]:
+    """The patch's own pre+post hook functions, on the ordinary path and on the recompute path."""
+    fsdp = _compat.fsdp_package()
+    module = nn.Linear(8, 8)
+    fsdp_autocast_fix.patched_fully_shard(module, mp_policy=fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    cover = next(iter(_patch._covers.values()))
+    x = torch.randn(2, 8)
+    args: tuple[Any, ...] = (x,)
+    results = []
+    for path in ("ordinary", "ordinary-autocast", "recompute"):
+        samples = []
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=path != "ordinary"):
+            module(x)  # capture this autocast state
+        saved = cover.state._training_state
+        if path == "recompute":
+            cover.state._training_state = _compat.load().pre_backward
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=path == "ordinary-autocast"):
+                for _ in range(rounds):
+                    start = time.perf_counter_ns()
+                    for _ in range(calls):
+                        cover.pre_forward(module, args, {})
+                        cover.post_forward(module, args, x)
+                    samples.append((time.perf_counter_ns() - start) / calls)
+        finally:
+            cover.state._training_state = saved
+        results.append({"torch": torch.__version__, "path": path, "ns_per_pre_plus_post": statistics.median(samples)})
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and print (or write) the overhead table."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--json")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    rounds, calls = (3, 5) if args.smoke else (args.rounds, args.calls)
+    torch.set_num_threads(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    fsdp = _compat.fsdp_package()
+    policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    modules = {"unsharded": nn.Linear(8, 8), "stock": nn.Linear(8, 8), "patched": nn.Linear(8, 8)}
+    fsdp.fully_shard(modules["stock"], mp_policy=policy)
+    fsdp_autocast_fix.patched_fully_shard(modules["patched"], mp_policy=policy)
+    x = torch.randn(2, 8)
+    results: list[dict[str, Any]] = []
+    for grad in ("off", "on"):
+        with torch.set_grad_enabled(grad == "on"):
+            _interleaved(modules, x, 2, calls)  # warm-up
+            m = _interleaved(modules, x, rounds, calls)
+        fsdp_hook = m["stock"] - m["unsharded"]
+        added = m["patched"] - m["stock"]
+        results.append({"torch": torch.__version__, "grad": grad, "unsharded_ns": m["unsharded"],
+                        "stock_ns": m["stock"], "patched_ns": m["patched"], "fsdp_hook_ns": fsdp_hook,
+                        "added_ns": added, "added_over_fsdp_hook": added / fsdp_hook, "ratio": m["patched"] / m["stock"]})
+    direct = _hooks_directly(rounds, calls)
+    dist.destroy_process_group()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results + direct, f, indent=1)
+    print("| grad | unsharded ns | stock ns | patched ns | FSDP hooks ns | added ns | added / FSDP hooks | patched/stock |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['grad']} | {r['unsharded_ns']:.0f} | {r['stock_ns']:.0f} | {r['patched_ns']:.0f} | "
+              f"{r['fsdp_hook_ns']:.0f} | {r['added_ns']:.0f} | {r['added_over_fsdp_hook']:.2%} | {r['ratio']:.4f} |")
+    print()
+    print("| patch hooks, called directly | ns per pre+post |")
+    print("|---|---|")
+    for r in direct:
+        print(f"| {r['path']} | {r['ns_per_pre_plus_post']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""CI smoke run of the benchmarks: tiny sizes, a couple of steps; the scripts run and write well-formed JSON.
+
+Not timing tests: no number measured here is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP_KEYS = {"variant", "torch", "ok", "error", "step_ms_median", "step_ms_all", "peak_rss_mib",
+             "all_gathers_per_step", "reduce_scatters_per_step", "losses", "losses_equal_to_d"}
+
+
+def _run(script: str, *args: str) -> None:
+    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", script), *args],
+                   check=True, cwd=ROOT, timeout=300)
+
+
+def test_step_smoke(tmp_path) -> None:
+    out = tmp_path / "step.json"
+    _run("step.py", "--smoke", "--variants", "ad", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert [r["variant"] for r in results] == ["a", "d"]
+    for r in results:
+        assert STEP_KEYS <= set(r), STEP_KEYS - set(r)
+        assert r["ok"], r["error"]
+        assert r["losses_equal_to_d"] is True
+        assert r["torch"] == torch.__version__
+
+
+def test_hook_overhead_smoke(tmp_path) -> None:
+    out = tmp_path / "hooks.json"
+    _run("hook_overhead.py", "--smoke", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert {r["grad"] for r in results if "grad" in r} == {"off", "on"}
+    assert {r["path"] for r in results if "path" in r} == {"ordinary", "ordinary-autocast", "recompute"}
+    for r in results:
+        assert all(isinstance(v, (int, float, str)) for v in r.values())
+
+
+def test_compare_envs_smoke(tmp_path) -> None:
+    out = tmp_path / "compare.json"
+    _run("compare_envs.py", "--a-python", sys.executable, "--e-python", sys.executable, "--rounds", "1",
+         "--smoke", "--json", str(out))
+    summary = json.loads(out.read_text())
+    assert {"step_ratio_a_over_e", "rss_ratio_a_over_e", "all_gathers", "reduce_scatters", "a", "e"} <= set(summary)
