@@ -87,3 +87,53 @@ def table(session: nox.Session, torch: str) -> None:
     _install_torch(session, torch)
     session.install("-e", ".[test]")
     session.run("python", "tests/scenarios.py")
+
+
+@nox.session(python=False)
+def bench(session: nox.Session) -> None:
+    """All benchmarks on this machine; writes benchmarks/results/ and README's benchmark section.
+
+    (a)-(d) run on torch 2.12.1 with this package, (d) and (e) on torch 2.13.0 stock, and (a) against (e)
+    alternately in one run. Uses the environments of ``tests(2.12.1)`` and ``tests(2.13.0)``.
+    """
+    import datetime
+    import platform
+    import re
+
+    session.run("python3", "-m", "nox", "-s", "tests(2.12.1)", "tests(2.13.0)", "--install-only", external=True)
+    buggy, fixed = ".nox/tests-2-12-1/bin/python", ".nox/tests-2-13-0/bin/python"
+    out = "benchmarks/results"
+    os.makedirs(out, exist_ok=True)
+    steps = session.posargs[0] if session.posargs else "10"
+
+    def run(python: str, script: str, *args: str) -> str:
+        return session.run(python, "-W", "ignore", f"benchmarks/{script}", *args, silent=True, external=True)
+
+    tables = [
+        ("Hook overhead, torch 2.12.1 (`benchmarks/hook_overhead.py`)",
+         run(buggy, "hook_overhead.py", "--json", f"{out}/hook_overhead-2.12.1.json")),
+        ("Hook overhead, torch 2.13.0", run(fixed, "hook_overhead.py", "--json", f"{out}/hook_overhead-2.13.0.json")),
+        ("Training step, torch 2.12.1 (`benchmarks/step.py`)",
+         run(buggy, "step.py", "--steps", steps, "--json", f"{out}/step-2.12.1.json")),
+        ("Training step, torch 2.13.0 stock", run(fixed, "step.py", "--variants", "de", "--steps", steps,
+                                                  "--json", f"{out}/step-2.13.0.json")),
+        ("(a) patched on 2.12.1 against (e) the upstream fix on 2.13.0, alternated (`benchmarks/compare_envs.py`)",
+         run(buggy, "compare_envs.py", "--a-python", buggy, "--e-python", fixed, "--rounds", "3",
+             "--json", f"{out}/compare_envs.json")),
+    ]
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    header = (f"Measured {datetime.date.today().isoformat()} with `python3 -m nox -s bench` on {os.cpu_count()} "
+              f"CPU cores ({cpu}), gloo, 2 ranks for the step benchmark (8 layers, hidden 256, sequence 128, "
+              f"batch 2, {steps} steps after 3 warm-up).")
+    body = "\n\n".join(f"**{title}**\n\n{text.strip()}" for title, text in tables)
+    block = f"<!-- bench:start -->\n{header}\n\n{body}\n<!-- bench:end -->"
+    with open(f"{out}/latest.md", "w") as f:
+        f.write(block + "\n")
+    readme = open("README.md").read()
+    if "<!-- bench:start -->" in readme:
+        readme = re.sub(r"<!-- bench:start -->.*?<!-- bench:end -->", lambda _: block, readme, flags=re.S)
+    else:
+        readme = readme.rstrip("\n") + "\n\n" + block + "\n"
+    open("README.md", "w").write(readme)
+    print(block)

@@ -3,8 +3,9 @@
 Runs ``benchmarks/step.py`` variant ``a`` with one interpreter (torch 2.12.1 + this package) and variant
 ``e`` with another (torch 2.13.0, stock), alternating A, E, A, E ... for ``--rounds`` rounds, and reports
 the ratios of the pooled medians. JSON keys: ``rounds``, ``a`` and ``e`` (the per-round result objects of
-``step.py``), ``step_ratio_a_over_e``, ``rss_ratio_a_over_e``, ``all_gathers`` and ``reduce_scatters``
-(per step, a and e).
+``step.py``), ``step_ratio_a_over_e``, ``rss_increase_ratio_a_over_e`` (peak RSS increase during the
+steps: the two torch builds differ in library size, so absolute RSS is not comparable; it is reported
+as ``peak_rss_mib``), ``all_gathers`` and ``reduce_scatters`` (per step, a and e).
 
     python benchmarks/compare_envs.py --a-python .nox/tests-2-12-1/bin/python \\
         --e-python .nox/tests-2-13-0/bin/python [--rounds 3] [--json out.json] [--smoke]
@@ -53,13 +54,15 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     step = {v: statistics.median(t for r in rs for t in r["step_ms_all"]) for v, rs in runs.items()}
     rss = {v: statistics.median(r["peak_rss_mib"] for r in rs) for v, rs in runs.items()}
+    rss_increase = {v: statistics.median(r["peak_rss_increase_mib"] for r in rs) for v, rs in runs.items()}
     summary = {
         "rounds": args.rounds,
         "torch": {v: rs[0]["torch"] for v, rs in runs.items()},
         "step_ms": step,
         "peak_rss_mib": rss,
         "step_ratio_a_over_e": step["a"] / step["e"],
-        "rss_ratio_a_over_e": rss["a"] / rss["e"],
+        "peak_rss_increase_mib": rss_increase,
+        "rss_increase_ratio_a_over_e": rss_increase["a"] / rss_increase["e"],
         "all_gathers": {v: rs[0]["all_gathers_per_step"] for v, rs in runs.items()},
         "reduce_scatters": {v: rs[0]["reduce_scatters_per_step"] for v, rs in runs.items()},
     }
@@ -70,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| torch | {summary['torch']['a']} | {summary['torch']['e']} | |")
     print(f"| step ms (median, {args.rounds} rounds alternated) | {step['a']:.1f} | {step['e']:.1f} | "
           f"{summary['step_ratio_a_over_e']:.3f} |")
-    print(f"| peak RSS MiB | {rss['a']:.0f} | {rss['e']:.0f} | {summary['rss_ratio_a_over_e']:.3f} |")
+    print(f"| peak RSS MiB (different torch builds) | {rss['a']:.0f} | {rss['e']:.0f} | |")
+    print(f"| peak RSS increase during the steps, MiB | {rss_increase['a']:.1f} | {rss_increase['e']:.1f} | "
+          f"{summary['rss_increase_ratio_a_over_e']:.3f} |")
     print(f"| all-gathers / reduce-scatters per step | {summary['all_gathers']['a']} / "
           f"{summary['reduce_scatters']['a']} | {summary['all_gathers']['e']} / {summary['reduce_scatters']['e']} | |")
     return 0

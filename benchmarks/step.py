@@ -14,7 +14,9 @@ Each variant runs in its own processes, so peak RSS is per variant:
   (``compare_envs.py``).
 
 JSON keys, one object per variant: ``variant``, ``torch``, ``ok``, ``error``, ``step_ms_median``,
-``step_ms_all``, ``peak_rss_mib`` (rank 0, ``ru_maxrss``), ``all_gathers_per_step``,
+``step_ms_all``, ``peak_rss_mib`` (rank 0's peak RSS during the measured steps, ``VmHWM`` reset after
+warm-up), ``peak_rss_increase_mib`` (that peak minus the RSS before the steps: independent of the torch
+build's library size), ``cuda_max_allocated_mib`` (None on CPU), ``all_gathers_per_step``,
 ``reduce_scatters_per_step``, ``losses`` (hex of each fp32 loss), ``losses_equal_to_d``.
 
     python benchmarks/step.py [--variants abcde] [--steps 10] [--json out.json] [--smoke]
@@ -25,11 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any
@@ -84,23 +86,56 @@ class Stack(nn.Module):
 
 
 def _count_collectives() -> dict[str, int]:
+    """Count FSDP's all-gathers and reduce-scatters by wrapping every name torch has used for them.
+
+    torch <= 2.12 calls ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, 2.13+ the ``*_single``
+    forms; only the outermost call is counted, in case one form calls another.
+    """
     counts = {"all_gather": 0, "reduce_scatter": 0}
-    for name, key in (("all_gather_into_tensor", "all_gather"), ("reduce_scatter_tensor", "reduce_scatter")):
-        original = getattr(dist, name)
+    depth = threading.local()
+    names = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter"}
+    for name, key in names.items():
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
 
         def counted(*args: Any, _original: Any = original, _key: str = key, **kwargs: Any) -> Any:
-            counts[_key] += 1
-            return _original(*args, **kwargs)
+            level = getattr(depth, "level", 0)
+            counts[_key] += level == 0
+            depth.level = level + 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                depth.level = level
 
         setattr(dist, name, counted)
     return counts
+
+
+def _memory_mib(key: str) -> float:
+    """``VmRSS`` or ``VmHWM`` of this process from /proc, in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(key)
+
+
+def _reset_peak_rss() -> None:
+    """Reset ``VmHWM`` to the current RSS (Linux ``clear_refs`` 5), so the peak is the measured steps'."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], out_path: str) -> None:
     sys.path.insert(0, ROOT)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    result: dict[str, Any] = {"variant": cfg["variant"], "torch": torch.__version__}
+    result: dict[str, Any] = {"variant": cfg["variant"], "torch": torch.__version__, "step_ms_median": None,
+                              "step_ms_all": [], "peak_rss_mib": None, "peak_rss_increase_mib": None,
+                              "cuda_max_allocated_mib": None, "all_gathers_per_step": None,
+                              "reduce_scatters_per_step": None, "losses": []}
     try:
         import fsdp_autocast_fix
         from fsdp_autocast_fix import _compat
@@ -122,7 +157,13 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], out_path: str
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(1 + rank)
         times, losses = [], []
+        baseline_rss = 0.0
         for step in range(cfg["warmup"] + cfg["steps"]):
+            if step == cfg["warmup"]:
+                _reset_peak_rss()
+                baseline_rss = _memory_mib("VmRSS")
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
             # requires_grad: the reentrant checkpoint (b) needs an input that requires grad; same for all.
             x = torch.randn(cfg["batch"], cfg["seq"], cfg["hidden"], generator=gen).requires_grad_(True)
             dist.barrier()
@@ -139,13 +180,15 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], out_path: str
             if step >= cfg["warmup"]:
                 times.append(elapsed * 1e3)
                 per_step = {k: counts[k] - before[k] for k in counts}
+        result.update(peak_rss_mib=_memory_mib("VmHWM"), peak_rss_increase_mib=_memory_mib("VmHWM") - baseline_rss,
+                      cuda_max_allocated_mib=(torch.cuda.max_memory_allocated() / 2**20
+                                              if torch.cuda.is_available() else None))
         result.update(ok=True, error=None, step_ms_median=statistics.median(times), step_ms_all=times,
                       all_gathers_per_step=per_step["all_gather"], reduce_scatters_per_step=per_step["reduce_scatter"],
                       losses=[float(v).hex() for v in losses])
     except Exception as e:
         result.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                       traceback=traceback.format_exc())
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
@@ -176,13 +219,14 @@ def config(smoke: bool, steps: int) -> dict[str, Any]:
 
 def markdown(results: list[dict[str, Any]]) -> str:
     """A markdown table of the result objects."""
-    rows = ["| variant | torch | step ms (median) | peak RSS MiB | all-gathers/step | reduce-scatters/step "
-            "| losses == (d) |", "|---|---|---|---|---|---|---|"]
+    rows = ["| variant | torch | step ms (median) | peak RSS MiB | peak RSS increase MiB | all-gathers/step "
+            "| reduce-scatters/step | losses == (d) |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if not r["ok"]:
-            rows.append(f"| {r['variant']} | {r['torch']} | fails: {r['error'][:60]} | | | | |")
+            rows.append(f"| {r['variant']} | {r['torch']} | fails: {r['error'][:60]} | | | | | |")
             continue
         rows.append(f"| {r['variant']} | {r['torch']} | {r['step_ms_median']:.1f} | {r['peak_rss_mib']:.0f} | "
+                    f"{r['peak_rss_increase_mib']:.1f} | "
                     f"{r['all_gathers_per_step']} | {r['reduce_scatters_per_step']} | {r.get('losses_equal_to_d')} |")
     return "\n".join(rows)
 

@@ -59,6 +59,10 @@ class Internals:
     apply_to_tensors: Callable[[Callable[[Any], Any], Any], Any]
     module_state_mapping: Any  # dict or WeakKeyDictionary: module -> state (or weakref)
     to_kwargs: Callable[..., Any]  # torch.distributed.utils._to_kwargs, FSDP's root input move
+    #: Whether nn.Module.__call__ runs forward hooks from a snapshot on its normal path, so that a hook
+    #: may remove itself there; if not recognised, the patch keeps its post-hook registered.
+    forward_hooks_snapshot: bool
+    queue_backward_callback: Callable[[Callable[[], None]], None]  # run a callable when this backward ends
     needs_cast_replay: bool
 
     def state_of(self, module: torch.nn.Module) -> Any | None:
@@ -187,8 +191,20 @@ def load() -> Internals:
         apply_to_tensors=apply_to_tensors,
         module_state_mapping=mapping,
         to_kwargs=to_kwargs,
+        forward_hooks_snapshot=_forward_hooks_snapshot(),
+        queue_backward_callback=_attr(torch.autograd.Variable._execution_engine, "queue_callback",
+                                      "Variable._execution_engine.queue_callback"),
         needs_cast_replay=_probe_cast_replay(state_cls, pre_backward, mp_policy_cls),
     )
+
+
+def _forward_hooks_snapshot() -> bool:
+    """Read ``nn.Module._call_impl``: does its normal path iterate ``(*self._forward_hooks.items(), ...)``?"""
+    try:
+        source = inspect.getsource(torch.nn.Module._call_impl)
+    except (OSError, TypeError):  # pragma: no cover - no source shipped
+        return False
+    return "*self._forward_hooks.items()" in source
 
 
 def fsdp_package() -> Any:

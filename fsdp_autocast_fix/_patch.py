@@ -23,6 +23,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import sys
 import threading
 import weakref
 from typing import Any
@@ -62,6 +63,10 @@ def _capture(device_types: tuple[str, ...]) -> Any:
     """The autocast state now, as plain scalars: ``((enabled, dtype) per device type, cache)``."""
     if not _any_autocast_enabled():
         return _ALL_OFF
+    return _capture_enabled(device_types)
+
+
+def _capture_enabled(device_types: tuple[str, ...]) -> Any:
     return tuple([(_is_autocast_enabled(d), _get_autocast_dtype(d)) for d in device_types]), _is_autocast_cache_enabled()
 
 
@@ -86,10 +91,15 @@ def _enter(captured: Any, device_types: tuple[str, ...]) -> contextlib.ExitStack
 
 
 class _Cover:
-    """The capture/replay hooks of one module managed by one FSDP state."""
+    """The capture/replay hooks of one module managed by one FSDP state.
 
-    __slots__ = ("state", "pre_backward", "device_types", "may_move", "moved", "cast_replay", "captured", "replays",
-                 "handles", "owner", "__weakref__")
+    The pre-hook is always registered. The post-hook is registered only while a replay is in flight
+    (when this torch's ``nn.Module.__call__`` allows removing it from inside, see
+    :attr:`_compat.Internals.forward_hooks_snapshot`); otherwise it stays registered.
+    """
+
+    __slots__ = ("state", "pre_backward", "device_types", "may_move", "moved", "cast_replay", "captured", "others",
+                 "recomputed", "warned", "replays", "pre_handle", "post_handle", "owner", "__weakref__")
 
     def __init__(self, state: Any, module: torch.nn.Module, cast_replay: bool, owner: str) -> None:
         self.state = state
@@ -99,26 +109,59 @@ class _Cover:
         self.may_move = device_type in _MOVING_DEVICE_TYPES
         self.moved = False  # whether FSDP moved this module's inputs to its device in the last forward
         self.cast_replay = cast_replay
-        self.captured: Any = None  # None until the module's first ordinary forward
+        self.captured: Any = None  # autocast state of the last ordinary forward; None before the first
+        self.others: tuple[Any, ...] = ()  # other autocast states seen since the last recompute
+        self.recomputed = False
+        self.warned = False
         self.replays: list[tuple[contextlib.ExitStack | None, torch.dtype | None]] = []
         self.owner = owner
-        self.handles = (
-            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self.post_forward, always_call=True),
-        )
+        self.pre_handle = module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+        self.post_handle: Any = None
+        if not _internals().forward_hooks_snapshot:
+            self._register_post(module)
 
     def pre_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         state = self.state
-        fsdp_recompute = state._training_state is self.pre_backward
-        if not fsdp_recompute and _graph_task_id() == -1:  # an ordinary forward: the hot path
-            self.captured = _capture(self.device_types)
-            if self.may_move:  # FSDP's forward root moves the inputs to its device
-                self.moved = state._state_ctx.iter_forward_root is None
+        if state._training_state is self.pre_backward:  # FSDP's recompute
+            return self._replay(module, args, kwargs, True, None)
+        now = _capture_enabled(self.device_types) if _any_autocast_enabled() else _ALL_OFF
+        if self.may_move:  # FSDP's forward root moves the inputs to its device
+            self.moved = state._state_ctx.iter_forward_root is None
+        if now == self.captured and not self.recomputed:  # the hot path: nothing changed, nothing to do
             return None
+        if _graph_task_id() != -1:  # a forward inside backward: a reentrant-style recompute
+            return self._replay(module, args, kwargs, False, now)
+        self._note(now)
+        return None
+
+    def _note(self, now: Any) -> None:
+        """An ordinary forward whose autocast state differs from the last one, or the first after a recompute."""
+        if self.recomputed:
+            self.others, self.recomputed = (), False
+        elif self.captured is not None and self.captured not in self.others:
+            self.others += (self.captured,)
+        self.captured = now
+
+    def _replay(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], fsdp_recompute: bool,
+                now: Any) -> Any:
+        self.recomputed = True
+        state = self.state
+        if now is None:
+            now = _capture(self.device_types)
+        stack = None
+        if self.captured is not None and now != self.captured and now not in self.others:
+            if self.others and not self.warned:
+                self.warned = True
+                logger.warning("%s ran forward under %d different autocast states before this recompute; "
+                               "replaying the most recent one", type(module).__name__, len(self.others) + 1)
+            stack = _enter(self.captured, self.device_types)
         policy = state._mp_policy
         cast = self.cast_replay and fsdp_recompute
         output_dtype = policy.output_dtype if cast else None
-        self.replays.append((_enter(self.captured, self.device_types), output_dtype))
+        if stack is not None or output_dtype is not None:
+            self.replays.append((stack, output_dtype))
+            if self.post_handle is None:
+                self._register_post(module)
         if fsdp_recompute and self.moved:  # not replayed by any torch release yet
             args_tuple, kwargs_tuple = _internals().to_kwargs(args, kwargs, state._device, False)
             args, kwargs = args_tuple[0], kwargs_tuple[0]
@@ -126,8 +169,12 @@ class _Cover:
             return _cast(policy.param_dtype, args), _cast(policy.param_dtype, kwargs)
         return args, kwargs
 
+    def _register_post(self, module: torch.nn.Module) -> None:
+        self.post_handle = module.register_forward_hook(self.post_forward, always_call=True)
+
     def post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        if not self.replays:  # no recompute in flight: the hot path
+        if not self.replays:  # a stale registration after an exception: drop it now
+            self._unregister_post()
             return None
         stack, output_dtype = self.replays.pop()
         try:
@@ -136,11 +183,33 @@ class _Cover:
         finally:
             if stack is not None:
                 stack.close()
+            if not self.replays:
+                self._unregister_post()
         return output
 
+    def _unregister_post(self) -> None:
+        # nn.Module.__call__ runs forward hooks from a snapshot on its normal path, so the hook may remove
+        # itself there. On its exception path (an error, or checkpoint's early stop) it iterates the dict
+        # itself: then the removal waits for the end of the backward pass this recompute belongs to, or,
+        # outside backward, for the module's next call.
+        if self.post_handle is None or not _internals().forward_hooks_snapshot:
+            return
+        if sys.exc_info()[1] is None:
+            self._drop_post()
+        elif _graph_task_id() != -1:
+            _internals().queue_backward_callback(self._drop_post)
+
+    def _drop_post(self) -> None:
+        if self.post_handle is not None and not self.replays:
+            self.post_handle.remove()
+            self.post_handle = None
+
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        """Take both hooks off the module and drop any replay state."""
+        self.pre_handle.remove()
+        if self.post_handle is not None:
+            self.post_handle.remove()
+            self.post_handle = None
         self.replays.clear()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 
@@ -34,6 +35,11 @@ def _hook_count(module: nn.Module) -> tuple[int, int]:
     return len(module._forward_pre_hooks), len(module._forward_hooks)
 
 
+def _added_hooks() -> tuple[int, int]:
+    """What covering adds while no replay is in flight: the pre-hook, and the post-hook where it must stay."""
+    return 1, 0 if _compat.load().forward_hooks_snapshot else 1
+
+
 def test_apply_is_idempotent_and_remove_restores_stock() -> None:
     original = _state_cls().__dict__["init"]
     before = _sharded()
@@ -44,7 +50,8 @@ def test_apply_is_idempotent_and_remove_restores_stock() -> None:
     assert _state_cls().init.__name__ == "init"
     assert inspect.signature(_state_cls().init) == inspect.signature(original)
     after = _sharded()
-    assert _hook_count(before) == _hook_count(after) == (stock_hooks[0] + 1, stock_hooks[1] + 1)
+    added = _added_hooks()
+    assert _hook_count(before) == _hook_count(after) == (stock_hooks[0] + added[0], stock_hooks[1] + added[1])
     fsdp_autocast_fix.remove()
     assert _state_cls().__dict__["init"] is original
     assert _hook_count(before) == _hook_count(after) == stock_hooks
@@ -205,3 +212,46 @@ def test_exception_in_recompute_leaves_autocast_as_it_was() -> None:
 def test_public_names_have_docstrings() -> None:
     for name in fsdp_autocast_fix.__all__:
         assert getattr(fsdp_autocast_fix, name).__doc__, name
+
+
+def test_post_hook_only_while_a_replay_is_in_flight() -> None:
+    """Registered in the recompute (here: to cast the output to ``output_dtype``), removed after it."""
+    _, policy_cls = S._fsdp()
+    layer = S.GeluLinear()
+    fsdp_autocast_fix.patched_fully_shard(layer, mp_policy=policy_cls(param_dtype=S.BF16, output_dtype=torch.float32))
+    stock_post = 1  # FSDP's own
+    seen: list[int] = []
+    layer.register_forward_pre_hook(lambda m, a: seen.append(len(m._forward_hooks)))
+    x = torch.randn(4, S.DIM, requires_grad=True)
+    with torch.autocast("cpu", dtype=S.BF16):
+        checkpoint_out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    checkpoint_out.float().sum().backward()
+    if _compat.load().forward_hooks_snapshot and _compat.load().needs_cast_replay:
+        assert seen == [stock_post, stock_post + 1]  # the patch's post-hook only in the recompute
+    assert len(layer._forward_hooks) == stock_post + (0 if _compat.load().forward_hooks_snapshot else 1)
+    assert not any(cover.replays for cover in _patch._covers.values())
+
+
+def test_stale_post_hook_after_an_exception_is_dropped_on_the_next_call() -> None:
+    fully_shard, policy_cls = S._fsdp()
+    layer = RaisesInRecompute()
+    fsdp_autocast_fix.patched_fully_shard(layer, mp_policy=policy_cls())
+    stock_post = len(layer._forward_hooks)
+    x = torch.randn(4, S.DIM, requires_grad=True)
+    with torch.autocast("cpu", dtype=S.BF16):
+        out = S.RecomputeWithoutAutocast.apply(layer, x)
+    with pytest.raises(Boom):
+        out.float().sum().backward()
+    layer(torch.randn(4, S.DIM))
+    assert len(layer._forward_hooks) == stock_post
+
+
+def test_post_hook_stays_where_module_call_is_not_recognised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If nn.Module.__call__ is not the one we read, the post-hook stays registered; results are the same."""
+    internals = dataclasses.replace(_compat.load(), forward_hooks_snapshot=False)
+    monkeypatch.setattr(_compat, "load", lambda: internals)
+    reference = S.run(S.SCENARIOS["float_first"], "reference")
+    result = S.run(S.SCENARIOS["float_first"], "patched_fully_shard")
+    assert result.error is None and result.same_as(reference)
+    layer = _sharded(patched=True)
+    assert _hook_count(layer)[1] == 2

@@ -14,7 +14,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_KEYS = {"variant", "torch", "ok", "error", "step_ms_median", "step_ms_all", "peak_rss_mib",
-             "all_gathers_per_step", "reduce_scatters_per_step", "losses", "losses_equal_to_d"}
+             "peak_rss_increase_mib", "cuda_max_allocated_mib", "all_gathers_per_step", "reduce_scatters_per_step",
+             "losses", "losses_equal_to_d"}
 
 
 def _run(script: str, *args: str) -> None:
@@ -32,6 +33,7 @@ def test_step_smoke(tmp_path) -> None:
         assert r["ok"], r["error"]
         assert r["losses_equal_to_d"] is True
         assert r["torch"] == torch.__version__
+        assert r["all_gathers_per_step"] > 0 and r["reduce_scatters_per_step"] > 0
 
 
 def test_hook_overhead_smoke(tmp_path) -> None:
@@ -39,7 +41,7 @@ def test_hook_overhead_smoke(tmp_path) -> None:
     _run("hook_overhead.py", "--smoke", "--json", str(out))
     results = json.loads(out.read_text())
     assert {r["grad"] for r in results if "grad" in r} == {"off", "on"}
-    assert {r["path"] for r in results if "path" in r} == {"ordinary", "ordinary-autocast", "recompute"}
+    assert {r["path"] for r in results if "path" in r} == {"ordinary", "ordinary-autocast", "recompute", "marginal"}
     for r in results:
         assert all(isinstance(v, (int, float, str)) for v in r.values())
 
@@ -49,4 +51,4 @@ def test_compare_envs_smoke(tmp_path) -> None:
     _run("compare_envs.py", "--a-python", sys.executable, "--e-python", sys.executable, "--rounds", "1",
          "--smoke", "--json", str(out))
     summary = json.loads(out.read_text())
-    assert {"step_ratio_a_over_e", "rss_ratio_a_over_e", "all_gathers", "reduce_scatters", "a", "e"} <= set(summary)
+    assert {"step_ratio_a_over_e", "rss_increase_ratio_a_over_e", "all_gathers", "reduce_scatters", "a", "e"} <= set(summary)
