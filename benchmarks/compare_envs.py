@@ -3,7 +3,7 @@
 Runs ``benchmarks/step.py`` variant ``a`` with one interpreter (torch 2.12.1 + this package) and variant
 ``e`` with another (torch 2.13.0, stock), alternating A, E, A, E ... for ``--rounds`` rounds, and reports
 the ratios of the pooled medians. JSON keys: ``rounds``, ``a`` and ``e`` (the per-round result objects of
-``step.py``), ``step_ratio_a_over_e``, ``rss_increase_ratio_a_over_e`` (peak RSS increase during the
+``step.py``), ``step_ratio_a_over_e``, ``rss_increase_ratio_a_over_e`` (None if (e) had none; peak RSS increase during the
 steps: the two torch builds differ in library size, so absolute RSS is not comparable; it is reported
 as ``peak_rss_mib``), ``all_gathers`` and ``reduce_scatters`` (per step, a and e).
 
@@ -34,6 +34,10 @@ def _run(python: str, variant: str, smoke: bool) -> dict[str, Any]:
             return json.load(f)[0]
 
 
+def _fmt(ratio: float | None) -> str:
+    return "n/a (no increase in (e))" if ratio is None else f"{ratio:.3f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Alternate the two environments and print the ratios."""
     parser = argparse.ArgumentParser()
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_mib": rss,
         "step_ratio_a_over_e": step["a"] / step["e"],
         "peak_rss_increase_mib": rss_increase,
-        "rss_increase_ratio_a_over_e": rss_increase["a"] / rss_increase["e"],
+        "rss_increase_ratio_a_over_e": rss_increase["a"] / rss_increase["e"] if rss_increase["e"] > 0 else None,
         "all_gathers": {v: rs[0]["all_gathers_per_step"] for v, rs in runs.items()},
         "reduce_scatters": {v: rs[0]["reduce_scatters_per_step"] for v, rs in runs.items()},
     }
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['step_ratio_a_over_e']:.3f} |")
     print(f"| peak RSS MiB (different torch builds) | {rss['a']:.0f} | {rss['e']:.0f} | |")
     print(f"| peak RSS increase during the steps, MiB | {rss_increase['a']:.1f} | {rss_increase['e']:.1f} | "
-          f"{summary['rss_increase_ratio_a_over_e']:.3f} |")
+          f"{_fmt(summary['rss_increase_ratio_a_over_e'])} |")
     print(f"| all-gathers / reduce-scatters per step | {summary['all_gathers']['a']} / "
           f"{summary['reduce_scatters']['a']} | {summary['all_gathers']['e']} / {summary['reduce_scatters']['e']} | |")
     return 0

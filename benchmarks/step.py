@@ -17,7 +17,8 @@ JSON keys, one object per variant: ``variant``, ``torch``, ``ok``, ``error``, ``
 ``step_ms_all``, ``peak_rss_mib`` (rank 0's peak RSS during the measured steps, ``VmHWM`` reset after
 warm-up), ``peak_rss_increase_mib`` (that peak minus the RSS before the steps: independent of the torch
 build's library size), ``cuda_max_allocated_mib`` (None on CPU), ``all_gathers_per_step``,
-``reduce_scatters_per_step``, ``losses`` (hex of each fp32 loss), ``losses_equal_to_d``.
+``reduce_scatters_per_step``, ``losses`` (hex of each fp32 loss), ``losses_equal_to_d``, ``params_sha256``
+(of the final parameters).
 
     python benchmarks/step.py [--variants abcde] [--steps 10] [--json out.json] [--smoke]
 """
@@ -25,6 +26,7 @@ build's library size), ``cuda_max_allocated_mib`` (None on CPU), ``all_gathers_p
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import socket
@@ -151,8 +153,11 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], out_path: str
             model.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in model.layers)
         shard = fsdp_autocast_fix.patched_fully_shard if variant == "a" else fsdp.fully_shard
         policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # output_fp32: each layer returns fp32, so each checkpointed layer's input needs FSDP's cast
+        layer_policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                 output_dtype=torch.float32) if cfg.get("output_fp32") else policy
         for layer in model.layers:
-            shard(layer, mp_policy=policy)
+            shard(layer, mp_policy=layer_policy)
         shard(model, mp_policy=policy)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(1 + rank)
@@ -183,6 +188,10 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], out_path: str
         result.update(peak_rss_mib=_memory_mib("VmHWM"), peak_rss_increase_mib=_memory_mib("VmHWM") - baseline_rss,
                       cuda_max_allocated_mib=(torch.cuda.max_memory_allocated() / 2**20
                                               if torch.cuda.is_available() else None))
+        digest = hashlib.sha256()
+        for _, param in sorted(model.named_parameters()):
+            digest.update(bytes(param.full_tensor().detach().clone().untyped_storage()))
+        result["params_sha256"] = digest.hexdigest()
         result.update(ok=True, error=None, step_ms_median=statistics.median(times), step_ms_all=times,
                       all_gathers_per_step=per_step["all_gather"], reduce_scatters_per_step=per_step["reduce_scatter"],
                       losses=[float(v).hex() for v in losses])

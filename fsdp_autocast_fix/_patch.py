@@ -98,8 +98,9 @@ class _Cover:
     :attr:`_compat.Internals.forward_hooks_snapshot`); otherwise it stays registered.
     """
 
-    __slots__ = ("state", "pre_backward", "device_types", "may_move", "moved", "cast_replay", "captured", "others",
-                 "recomputed", "warned", "replays", "pre_handle", "post_handle", "owner", "__weakref__")
+    __slots__ = ("state", "pre_backward", "device_types", "may_move", "moved", "cast_replay", "cast_in", "cast_out",
+                 "captured", "others", "recomputed", "warned", "replays", "pre_handle", "post_handle", "owner",
+                 "__weakref__")
 
     def __init__(self, state: Any, module: torch.nn.Module, cast_replay: bool, owner: str) -> None:
         self.state = state
@@ -109,13 +110,18 @@ class _Cover:
         self.may_move = device_type in _MOVING_DEVICE_TYPES
         self.moved = False  # whether FSDP moved this module's inputs to its device in the last forward
         self.cast_replay = cast_replay
+        # Whether FSDP's forward cast this module's inputs / output. Always, for a module sharded alone; for
+        # fully_shard([a, b, ...]) only the first module's inputs and the last one's output (pre_forward_grouped).
+        self.cast_in = self.cast_out = True
         self.captured: Any = None  # autocast state of the last ordinary forward; None before the first
         self.others: tuple[Any, ...] = ()  # other autocast states seen since the last recompute
         self.recomputed = False
         self.warned = False
         self.replays: list[tuple[contextlib.ExitStack | None, torch.dtype | None]] = []
         self.owner = owner
-        self.pre_handle = module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+        grouped = len(_compat.modules_of(state)) > 1
+        hook = self.pre_forward_grouped if grouped else self.pre_forward
+        self.pre_handle = module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
         self.post_handle: Any = None
         if not _internals().forward_hooks_snapshot:
             self._register_post(module)
@@ -133,6 +139,20 @@ class _Cover:
             return self._replay(module, args, kwargs, False, now)
         self._note(now)
         return None
+
+    def pre_forward_grouped(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """For a module of ``fully_shard([a, b, ...])``: also note what FSDP casts for it in this forward.
+
+        Before FSDP's group pre-hook runs, ``_modules_to_run_forward`` is empty for the module that starts
+        the group's pass (FSDP runs ``_pre_forward``, with the input cast, for it alone) and holds just this
+        module for the one that ends it (``_post_forward``, with the output cast, runs for it alone).
+        """
+        state = self.state
+        if state._training_state is not self.pre_backward and _graph_task_id() == -1:
+            to_run = state._modules_to_run_forward
+            self.cast_in = not to_run
+            self.cast_out = len(to_run) == 1 and module in to_run
+        return self.pre_forward(module, args, kwargs)
 
     def _note(self, now: Any) -> None:
         """An ordinary forward whose autocast state differs from the last one, or the first after a recompute."""
@@ -157,7 +177,7 @@ class _Cover:
             stack = _enter(self.captured, self.device_types)
         policy = state._mp_policy
         cast = self.cast_replay and fsdp_recompute
-        output_dtype = policy.output_dtype if cast else None
+        output_dtype = policy.output_dtype if cast and self.cast_out else None
         if stack is not None or output_dtype is not None:
             self.replays.append((stack, output_dtype))
             if self.post_handle is None:
@@ -165,7 +185,7 @@ class _Cover:
         if fsdp_recompute and self.moved:  # not replayed by any torch release yet
             args_tuple, kwargs_tuple = _internals().to_kwargs(args, kwargs, state._device, False)
             args, kwargs = args_tuple[0], kwargs_tuple[0]
-        if cast and policy.cast_forward_inputs and policy.param_dtype is not None:
+        if cast and self.cast_in and policy.cast_forward_inputs and policy.param_dtype is not None:
             return _cast(policy.param_dtype, args), _cast(policy.param_dtype, kwargs)
         return args, kwargs
 
@@ -225,9 +245,7 @@ def _internals() -> _compat.Internals:
 def _cover_state(internals: _compat.Internals, state: Any, owner: str) -> int:
     """Cover every module of ``state`` not covered yet; return how many were added."""
     modules = _compat.modules_of(state)
-    cast_replay = (internals.needs_cast_replay or _force) and len(modules) == 1
-    if len(modules) > 1 and (internals.needs_cast_replay or _force):
-        logger.info("grouped fully_shard(%d modules): autocast replay only, no cast replay", len(modules))
+    cast_replay = internals.needs_cast_replay or _force
     added = 0
     for module in modules:
         key = (id(state), id(module))
@@ -248,7 +266,8 @@ def _check_state(state: Any) -> None:
     if state._device.type in _MOVING_DEVICE_TYPES and not hasattr(getattr(state, "_state_ctx", None),
                                                                   "iter_forward_root"):
         raise _compat.UnsupportedTorchError("FSDPState._state_ctx.iter_forward_root", "missing")
-    _compat.modules_of(state)
+    if len(_compat.modules_of(state)) > 1 and not hasattr(state, "_modules_to_run_forward"):
+        raise _compat.UnsupportedTorchError("FSDPState._modules_to_run_forward", "missing on a grouped state")
 
 
 def _init_wrapper_fn(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -278,7 +297,7 @@ def apply(*, force: bool = False) -> bool:
         if _applied:
             _force = force
             for cover in list(_covers.values()):
-                if cover.owner == _GLOBAL and len(_compat.modules_of(cover.state)) == 1:
+                if cover.owner == _GLOBAL:
                     cover.cast_replay = internals.needs_cast_replay or force
             logger.info("fsdp_autocast_fix: force=%s", force)
             return True

@@ -31,8 +31,12 @@ BF16 = torch.bfloat16
 DIM = 16
 
 
+def _fsdp_package() -> Any:
+    return _compat.fsdp_package()
+
+
 def _fsdp() -> tuple[Callable[..., Any], type]:
-    package = _compat.fsdp_package()
+    package = _fsdp_package()
     return package.fully_shard, package.MixedPrecisionPolicy
 
 
@@ -159,6 +163,137 @@ def _custom_function_step(model: nn.Module, x: torch.Tensor, use_checkpoint: boo
     return out
 
 
+class Layer(nn.Module):
+    """A layer holding a sharded sub-layer: root -> layer -> sub-layer nesting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub = GeluLinear()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.sub(F.gelu(x)))
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False) if self.use_checkpoint else layer(x)
+        return x
+
+
+class Pair(nn.Module):
+    """Two sibling layers sharded as one group, ``fully_shard([a, b])``, run in one checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = GeluLinear()
+        self.b = GeluLinear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def region(h: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(h))
+
+        return checkpoint(region, x, use_reentrant=False) if self.use_checkpoint else region(x)
+
+
+@dataclass
+class Extra:
+    """A dataclass input mixing a float and an integer tensor."""
+
+    f: torch.Tensor
+    i: torch.Tensor
+
+
+class MixedInputs(GeluLinear):
+    """Positional, tuple, dict and dataclass inputs, float and integer; records the integer dtypes it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.int_dtypes: list[tuple[torch.dtype, ...]] = []
+
+    def forward(self, x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor], *, extra: dict[str, torch.Tensor],
+                dc: Extra) -> torch.Tensor:
+        self.int_dtypes.append((pair[1].dtype, extra["idx"].dtype, dc.i.dtype))
+        h = x + pair[0] * pair[1] + extra["a"] * extra["idx"] + dc.f * dc.i
+        return super().forward(h)
+
+
+def _shard_nested(model: nn.Module, fully_shard: Callable[..., Any], policy_cls: type) -> list[nn.Module]:
+    policy = policy_cls(param_dtype=BF16, output_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer.sub, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return [model]
+
+
+def _shard_pair(model: nn.Module, fully_shard: Callable[..., Any], policy_cls: type) -> list[nn.Module]:
+    fully_shard([model.a, model.b], mp_policy=policy_cls(param_dtype=BF16, output_dtype=torch.float32))
+    fully_shard(model)
+    return [model]
+
+
+def _shard_with(**options: Any) -> Callable[[nn.Module, Callable[..., Any], type], list[nn.Module]]:
+    def shard(model: nn.Module, fully_shard: Callable[..., Any], policy_cls: type) -> list[nn.Module]:
+        extra = {k: v(model) if callable(v) else v for k, v in options.items()}
+        fully_shard(model, mp_policy=policy_cls(param_dtype=BF16), **extra)
+        return [model]
+
+    return shard
+
+
+def _root_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    model.use_checkpoint = use_checkpoint
+    with _autocast():
+        out = model(x)
+    out.float().sum().backward()
+    return out
+
+
+def _twice_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    with _autocast():
+        out = _ckpt(model, x, use_checkpoint) + _ckpt(model, 2 * x, use_checkpoint)
+    out.float().sum().backward()
+    return out
+
+
+def _twice_mixed_autocast_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    with _autocast():
+        first = _ckpt(model, x, use_checkpoint)
+    out = first.float() + _ckpt(model, 2 * x, use_checkpoint).float()
+    out.sum().backward()
+    return out
+
+
+def _accumulate_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    for sync, micro in ((False, x[:2]), (True, x[2:])):
+        model.set_requires_gradient_sync(sync)
+        with _autocast():
+            out = _ckpt(model, micro, use_checkpoint)
+        out.float().sum().backward()
+    return out
+
+
+def _mixed_inputs_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    pair = (torch.randn(4, DIM, generator=gen), torch.randint(0, 3, (4, DIM), generator=gen))
+    extra = {"a": torch.randn(4, DIM, generator=gen), "idx": torch.randint(0, 3, (4, DIM), generator=gen)}
+    dc = Extra(torch.randn(4, DIM, generator=gen), torch.randint(0, 3, (4, DIM), generator=gen))
+    with _autocast():
+        if use_checkpoint:
+            out = checkpoint(model, x, pair, use_reentrant=False, extra=extra, dc=dc)
+        else:
+            out = model(x, pair, extra=extra, dc=dc)
+    out.float().sum().backward()
+    assert all(d == (torch.int64,) * 3 for d in model.int_dtypes), model.int_dtypes  # never cast
+    return out
+
+
 SEED_POLICY = {"param_dtype": BF16}
 SCENARIOS = {
     s.name: s
@@ -176,6 +311,25 @@ SCENARIOS = {
                  broken_on_fixed_torch=True),
     ]
 }
+#: FSDP2 topologies and calling patterns people use (issue 6), each with a checkpoint that needs the casts.
+TOPOLOGIES = {
+    s.name: s
+    for s in [
+        Scenario("nested_root_layer_sublayer", Nested, _shard_nested, _root_step),
+        Scenario("reshard_after_forward_false", GeluLinear, _shard_with(reshard_after_forward=False), _seed_step),
+        Scenario("reshard_after_forward_int", GeluLinear, _shard_with(reshard_after_forward=1), _seed_step),
+        Scenario("called_twice_same_autocast", GeluLinear, _shard_root(SEED_POLICY), _twice_step),
+        Scenario("called_twice_different_autocast", GeluLinear, _shard_root(SEED_POLICY), _twice_mixed_autocast_step),
+        Scenario("gradient_accumulation_no_sync", GeluLinear, _shard_root(SEED_POLICY), _accumulate_step),
+        Scenario("cpu_offload_policy", GeluLinear,
+                 _shard_with(offload_policy=lambda m: _fsdp_package().CPUOffloadPolicy(pin_memory=False)),
+                 _seed_step),
+        Scenario("kwargs_tuple_dict_dataclass_inputs", MixedInputs, _shard_root(SEED_POLICY), _mixed_inputs_step),
+        Scenario("ignored_params", GeluLinear, _shard_with(ignored_params=lambda m: {m.lin.bias}), _seed_step),
+        Scenario("grouped_fully_shard", Pair, _shard_pair, _root_step),
+    ]
+}
+ALL = {**SCENARIOS, **TOPOLOGIES}
 
 
 @dataclass
@@ -230,7 +384,7 @@ def table() -> str:
     """Markdown table: scenario x stock x apply x late apply x patched_fully_shard, measured now."""
     rows = [f"torch {torch.__version__} (needs cast replay: {_compat.load().needs_cast_replay})", "",
             "| scenario | " + " | ".join(MODES) + " |", "|---" * (len(MODES) + 1) + "|"]
-    for name, scenario in SCENARIOS.items():
+    for name, scenario in ALL.items():
         reference = run(scenario, "reference")
         rows.append(f"| {name} | " + " | ".join(_cell(run(scenario, m), reference) for m in MODES) + " |")
     return "\n".join(rows)
@@ -239,7 +393,7 @@ def table() -> str:
 def measure() -> dict[str, Any]:
     """The scenario table as data: torch version, whether it needs the cast replay, a cell per mode."""
     cells: dict[str, dict[str, str]] = {}
-    for name, scenario in SCENARIOS.items():
+    for name, scenario in ALL.items():
         reference = run(scenario, "reference")
         cells[name] = {m: _cell(run(scenario, m), reference) for m in MODES}
         cells[name]["broken_stock_expected"] = str(scenario.broken_stock())

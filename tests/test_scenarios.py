@@ -11,12 +11,12 @@ import fsdp_autocast_fix
 from fsdp_autocast_fix import _compat
 
 pytestmark = pytest.mark.usefixtures("pg")
-NAMES = sorted(S.SCENARIOS)
+NAMES = sorted(S.ALL)
 
 
 @pytest.fixture(scope="module")
 def references(pg: None) -> dict[str, S.Result]:
-    refs = {name: S.run(S.SCENARIOS[name], "reference") for name in NAMES}
+    refs = {name: S.run(S.ALL[name], "reference") for name in NAMES}
     for name, ref in refs.items():
         assert ref.error is None, f"{name}: the run without checkpointing failed: {ref.error!r}"
     return refs
@@ -25,7 +25,7 @@ def references(pg: None) -> dict[str, S.Result]:
 @pytest.mark.parametrize("name", NAMES)
 def test_positive_control(name: str, references: dict[str, S.Result]) -> None:
     """Stock torch: broken scenarios raise or give different gradients; the others match bitwise."""
-    scenario = S.SCENARIOS[name]
+    scenario = S.ALL[name]
     stock = S.run(scenario, "stock")
     if scenario.broken_stock():
         assert stock.error is not None or not stock.same_as(references[name]), (
@@ -42,7 +42,7 @@ def test_positive_control(name: str, references: dict[str, S.Result]) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_fixed_bitwise(name: str, mode: str, references: dict[str, S.Result]) -> None:
     """Patched: input and parameter gradients bitwise equal to the run without checkpointing."""
-    result = S.run(S.SCENARIOS[name], mode)
+    result = S.run(S.ALL[name], mode)
     assert result.error is None, repr(result.error)
     assert result.same_as(references[name])
 

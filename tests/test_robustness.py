@@ -1,0 +1,162 @@
+"""Robustness: ambiguous replays, threads, faults, bad input."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import scenarios as S
+import torch
+from test_api import Boom, RaisesInRecompute, _added_hooks, _hook_count, _sharded
+
+import fsdp_autocast_fix
+from fsdp_autocast_fix import UnsupportedTorchError, _compat, _patch
+
+pytestmark = pytest.mark.usefixtures("pg")
+
+
+def test_ambiguous_replay_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A custom checkpoint, one module, two calls under different autocast states: one warning."""
+    fully_shard, policy_cls = S._fsdp()
+    fsdp_autocast_fix.apply()
+    layer = S.GeluLinear()
+    fully_shard(layer, mp_policy=policy_cls())
+    x = torch.randn(4, S.DIM, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="fsdp_autocast_fix"):
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=S.BF16):
+                first = S.RecomputeWithoutAutocast.apply(layer, x)
+            with torch.autocast("cpu", dtype=torch.float16):
+                second = S.RecomputeWithoutAutocast.apply(layer, x)
+            (first.float() + second.float()).sum().backward()
+    warnings = [r for r in caplog.records if "different autocast states" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_unambiguous_custom_checkpoint_does_not_warn(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="fsdp_autocast_fix"):
+        result = S.run(S.SCENARIOS["custom_function_checkpoint"], "apply")
+    assert result.error is None
+    assert not caplog.records
+
+
+def test_apply_remove_from_8_threads() -> None:
+    before = _sharded()
+    stock = (_hook_count(before)[0], _hook_count(before)[1])
+    original = _compat.load().fsdp_state_cls.__dict__["init"]
+    errors: list[BaseException] = []
+
+    def toggle() -> None:
+        try:
+            for i in range(1000):
+                fsdp_autocast_fix.apply(force=bool(i % 3 == 0))
+                fsdp_autocast_fix.remove()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=toggle) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert not fsdp_autocast_fix.status().patched_globally
+    assert _compat.load().fsdp_state_cls.__dict__["init"] is original
+    assert _hook_count(before) == stock
+    fsdp_autocast_fix.apply()
+    added = _added_hooks()
+    assert _hook_count(before) == (stock[0] + added[0], stock[1] + added[1])
+    assert _compat.load().fsdp_state_cls.__dict__["init"] is not original
+
+
+def test_backward_on_another_thread_sees_the_captured_state() -> None:
+    """Autocast state is thread-local: a recompute on another thread must still run under the forward's."""
+    reference = S.run(S.SCENARIOS["custom_function_checkpoint"], "reference")
+    fully_shard, policy_cls = S._fsdp()
+    fsdp_autocast_fix.apply()
+    torch.manual_seed(0)
+    layer = S.GeluLinear()
+    fully_shard(layer, mp_policy=policy_cls())
+    x = torch.randn(4, S.DIM, requires_grad=True)
+    with torch.autocast("cpu", dtype=S.BF16):
+        out = S.RecomputeWithoutAutocast.apply(layer, x)
+    seen: list[bool] = []
+    thread = threading.Thread(target=lambda: (out.float().sum().backward(), seen.append(
+        torch.is_autocast_enabled("cpu"))))
+    thread.start()
+    thread.join()
+    assert seen == [False]  # and the other thread's autocast is left as it was
+    grads = [x.grad] + [p.grad.full_tensor() for p in layer.parameters()]
+    assert S.Result(grads=grads).same_as(reference)
+
+
+class RaisesOnce(RaisesInRecompute):
+    armed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed and torch._C._current_graph_task_id() != -1:
+            self.armed = False
+            raise Boom("once, in the recompute")
+        return S.GeluLinear.forward(self, x)
+
+
+def test_next_step_is_correct_after_an_exception_in_the_recompute() -> None:
+    fully_shard, policy_cls = S._fsdp()
+    fsdp_autocast_fix.apply()
+    torch.manual_seed(0)
+    layer = RaisesOnce()
+    fully_shard(layer, mp_policy=policy_cls())
+    x = torch.randn(4, S.DIM, requires_grad=True)
+    with torch.autocast("cpu", dtype=S.BF16):
+        out = S.RecomputeWithoutAutocast.apply(layer, x)
+    with pytest.raises(Boom):
+        out.float().sum().backward()
+    assert not torch.is_autocast_enabled("cpu")
+    # The next step, with a checkpoint that restores autocast, runs and matches the run without one.
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+    with torch.autocast("cpu", dtype=S.BF16):
+        out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        out.float().sum().backward()
+    grads = [x.grad] + [p.grad.full_tensor() for p in layer.parameters()]
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+    with torch.autocast("cpu", dtype=S.BF16):
+        layer(x).float().sum().backward()
+    reference = [x.grad] + [p.grad.full_tensor() for p in layer.parameters()]
+    assert S.Result(grads=grads).same_as(S.Result(grads=reference))
+
+
+def test_torch_without_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
+    _compat.load.cache_clear()
+    try:
+        with pytest.raises(UnsupportedTorchError, match="torch.distributed"):
+            fsdp_autocast_fix.apply()
+        with pytest.raises(UnsupportedTorchError, match="torch.distributed"):
+            fsdp_autocast_fix.patched_fully_shard(torch.nn.Linear(2, 2))
+        assert "without distributed" in str(fsdp_autocast_fix.status().unsupported)
+    finally:
+        monkeypatch.undo()
+        _compat.load.cache_clear()
+
+
+def test_apply_inside_patched_is_a_no_op() -> None:
+    with fsdp_autocast_fix.patched():
+        assert fsdp_autocast_fix.apply() is False
+        fsdp_autocast_fix.remove()  # documented: remove() ends the patch, also inside patched()
+        assert not fsdp_autocast_fix.status().patched_globally
+    assert not fsdp_autocast_fix.status().patched_globally
+
+
+def test_patched_fully_shard_on_non_modules() -> None:
+    fully_shard, _ = S._fsdp()
+    for bad in (None, 3, [torch.nn.Linear(2, 2), "x"]):
+        with pytest.raises(Exception) as stock:
+            fully_shard(bad)
+        with pytest.raises(type(stock.value)):
+            fsdp_autocast_fix.patched_fully_shard(bad)
+    assert not _patch._covers
