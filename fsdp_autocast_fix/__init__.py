@@ -19,15 +19,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from . import _compat, _patch
+from ._checks import VALUE_CHECK, check_recompute, register_value_check
 from ._compat import UnsupportedTorchError
 from ._patch import apply, patched_fully_shard, remove
 
 __all__ = [
+    "VALUE_CHECK",
     "Status",
     "UnsupportedTorchError",
     "apply",
+    "check_recompute",
     "patched",
     "patched_fully_shard",
+    "register_value_check",
     "remove",
     "status",
 ]

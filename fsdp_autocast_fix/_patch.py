@@ -59,6 +59,11 @@ _force = False
 _init_wrapper: Any = None
 
 
+def _eager(hook: Any) -> Any:
+    """``hook`` as FSDP registers its own: torch.compile runs it eagerly, outside any graph, never traces it."""
+    return torch._dynamo.disable(hook, recursive=True)
+
+
 def _capture(device_types: tuple[str, ...]) -> Any:
     """The autocast state now, as plain scalars: ``((enabled, dtype) per device type, cache)``."""
     if not _any_autocast_enabled():
@@ -121,7 +126,7 @@ class _Cover:
         self.owner = owner
         grouped = len(_compat.modules_of(state)) > 1
         hook = self.pre_forward_grouped if grouped else self.pre_forward
-        self.pre_handle = module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
+        self.pre_handle = module.register_forward_pre_hook(_eager(hook), prepend=True, with_kwargs=True)
         self.post_handle: Any = None
         if not _internals().forward_hooks_snapshot:
             self._register_post(module)
@@ -190,7 +195,7 @@ class _Cover:
         return args, kwargs
 
     def _register_post(self, module: torch.nn.Module) -> None:
-        self.post_handle = module.register_forward_hook(self.post_forward, always_call=True)
+        self.post_handle = module.register_forward_hook(_eager(self.post_forward), always_call=True)
 
     def post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if not self.replays:  # a stale registration after an exception: drop it now

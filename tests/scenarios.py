@@ -14,6 +14,7 @@ Needs a process group (world size 1 or more); everything runs on CPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -93,6 +94,8 @@ class Scenario:
     step: Callable[[nn.Module, torch.Tensor, bool], torch.Tensor]
     broken_on_buggy_torch: bool = True
     broken_on_fixed_torch: bool = False
+    #: Compare with this scenario's run without checkpointing, where this one cannot run without it.
+    reference_of: str | None = None
 
     def broken_stock(self) -> bool:
         needs = _compat.load().needs_cast_replay
@@ -329,7 +332,123 @@ TOPOLOGIES = {
         Scenario("grouped_fully_shard", Pair, _shard_pair, _root_step),
     ]
 }
-ALL = {**SCENARIOS, **TOPOLOGIES}
+
+
+class GeluDropoutLinear(GeluLinear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(F.dropout(F.gelu(x), p=0.25, training=True))
+
+
+class Holder(nn.Module):
+    """Holds a layer and a checkpointed view of it (``checkpoint_wrapper`` outside the sharded layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = GeluLinear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.wrapped if self.use_checkpoint else self.inner)(x)
+
+
+class Outer(nn.Module):
+    """Calls its layer; the layer gets ``checkpoint_wrapper`` and then ``fully_shard`` (torchtitan's order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = GeluLinear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def _checkpoint_wrapper(module: nn.Module) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    return checkpoint_wrapper(module)
+
+
+def _shard_then_wrap(model: nn.Module, fully_shard: Callable[..., Any], policy_cls: type) -> list[nn.Module]:
+    fully_shard(model.inner, mp_policy=policy_cls(**SEED_POLICY))
+    object.__setattr__(model, "wrapped", _checkpoint_wrapper(model.inner))  # a view, not a submodule
+    return [model.inner]
+
+
+def _wrap_then_shard(model: nn.Module, fully_shard: Callable[..., Any], policy_cls: type) -> list[nn.Module]:
+    model.inner = _checkpoint_wrapper(model.inner)
+    fully_shard(model.inner, mp_policy=policy_cls(**SEED_POLICY))
+    return [model.inner]
+
+
+def _composable_then_shard(model: nn.Module, fully_shard: Callable[..., Any], policy_cls: type) -> list[nn.Module]:
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+
+    composable_checkpoint(model)
+    fully_shard(model, mp_policy=policy_cls(**SEED_POLICY))
+    return [model]
+
+
+def _holder_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    model.use_checkpoint = use_checkpoint
+    return _no_checkpoint_seed_step(model, x)
+
+
+def _no_checkpoint_seed_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool = False) -> torch.Tensor:
+    with _autocast():
+        out = model(x)
+        out.float().sum().backward()
+    return out
+
+
+def _early_stop_off_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    with set_checkpoint_early_stop(False):
+        return _seed_step(model, x, use_checkpoint)
+
+
+def _dropout_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    with _autocast():
+        out = checkpoint(model, x, use_reentrant=False, preserve_rng_state=True) if use_checkpoint else model(x)
+        out.float().sum().backward()
+    return out
+
+
+def _sequential_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    with _autocast():
+        out = checkpoint_sequential(model, 2, x, use_reentrant=False) if use_checkpoint else model(x)
+    out.float().sum().backward()
+    return out
+
+
+def _selective_step(model: nn.Module, x: torch.Tensor, use_checkpoint: bool) -> torch.Tensor:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    with _autocast():
+        out = checkpoint(model, x, use_reentrant=False, context_fn=context_fn) if use_checkpoint else model(x)
+        out.float().sum().backward()
+    return out
+
+
+#: Every checkpoint front end (issue 5), on the seed's module.
+FRONT_ENDS = {
+    s.name: s
+    for s in [
+        Scenario("checkpoint_early_stop_off", GeluLinear, _shard_root(SEED_POLICY), _early_stop_off_step),
+        Scenario("checkpoint_preserve_rng_dropout", GeluDropoutLinear, _shard_root(SEED_POLICY), _dropout_step),
+        Scenario("checkpoint_sequential", lambda: nn.Sequential(GeluLinear(), GeluLinear()), _shard_layers,
+                 _sequential_step),
+        Scenario("checkpoint_wrapper_outside_fully_shard", Holder, _shard_then_wrap, _holder_step),
+        Scenario("checkpoint_wrapper_inside_fully_shard", Outer, _wrap_then_shard,
+                 _no_checkpoint_seed_step, broken_on_buggy_torch=False, reference_of="seed"),
+        Scenario("composable_checkpoint", GeluLinear, _composable_then_shard, _no_checkpoint_seed_step,
+                 broken_on_buggy_torch=False, reference_of="seed"),
+        Scenario("selective_activation_checkpoint", GeluLinear, _shard_root(SEED_POLICY), _selective_step),
+    ]
+}
+ALL = {**SCENARIOS, **TOPOLOGIES, **FRONT_ENDS}
 
 
 @dataclass
@@ -385,7 +504,7 @@ def table() -> str:
     rows = [f"torch {torch.__version__} (needs cast replay: {_compat.load().needs_cast_replay})", "",
             "| scenario | " + " | ".join(MODES) + " |", "|---" * (len(MODES) + 1) + "|"]
     for name, scenario in ALL.items():
-        reference = run(scenario, "reference")
+        reference = run(ALL[scenario.reference_of or name], "reference")
         rows.append(f"| {name} | " + " | ".join(_cell(run(scenario, m), reference) for m in MODES) + " |")
     return "\n".join(rows)
 
@@ -394,7 +513,7 @@ def measure() -> dict[str, Any]:
     """The scenario table as data: torch version, whether it needs the cast replay, a cell per mode."""
     cells: dict[str, dict[str, str]] = {}
     for name, scenario in ALL.items():
-        reference = run(scenario, "reference")
+        reference = run(ALL[scenario.reference_of or name], "reference")
         cells[name] = {m: _cell(run(scenario, m), reference) for m in MODES}
         cells[name]["broken_stock_expected"] = str(scenario.broken_stock())
     return {"torch": str(torch.__version__), "needs_cast_replay": _compat.load().needs_cast_replay,

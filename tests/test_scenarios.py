@@ -16,7 +16,7 @@ NAMES = sorted(S.ALL)
 
 @pytest.fixture(scope="module")
 def references(pg: None) -> dict[str, S.Result]:
-    refs = {name: S.run(S.ALL[name], "reference") for name in NAMES}
+    refs = {name: S.run(S.ALL[S.ALL[name].reference_of or name], "reference") for name in NAMES}
     for name, ref in refs.items():
         assert ref.error is None, f"{name}: the run without checkpointing failed: {ref.error!r}"
     return refs
