@@ -68,3 +68,11 @@ def test_tiny_llama_positive_control() -> None:
         assert stock != reference, "stock should fail with transformers 4.x on this torch"
     else:
         assert stock == reference, stock
+
+
+def test_hf_training_example() -> None:
+    from test_examples import run_example
+
+    proc = run_example("hf_training.py")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("step 2 loss") == 2 and "patched_globally=True" in proc.stdout
