@@ -127,6 +127,8 @@ def bench(session: nox.Session) -> None:
         ("Hook overhead, torch 2.12.1 (`benchmarks/hook_overhead.py`)",
          run(buggy, "hook_overhead.py", "--json", f"{out}/hook_overhead-2.12.1.json")),
         ("Hook overhead, torch 2.13.0", run(fixed, "hook_overhead.py", "--json", f"{out}/hook_overhead-2.13.0.json")),
+        ("Value-level recompute check, torch 2.12.1 (`benchmarks/value_check.py`)",
+         run(buggy, "value_check.py", "--json", f"{out}/value_check-2.12.1.json")),
         ("Training step, torch 2.12.1 (`benchmarks/step.py`)",
          run(buggy, "step.py", "--steps", steps, "--json", f"{out}/step-2.12.1.json")),
         ("Training step, torch 2.13.0 stock", run(fixed, "step.py", "--variants", "de", "--steps", steps,

@@ -3,9 +3,9 @@
 Runs ``benchmarks/step.py`` variant ``a`` with one interpreter (torch 2.12.1 + this package) and variant
 ``e`` with another (torch 2.13.0, stock), alternating A, E, A, E ... for ``--rounds`` rounds, and reports
 the ratios of the pooled medians. JSON keys: ``rounds``, ``a`` and ``e`` (the per-round result objects of
-``step.py``), ``step_ratio_a_over_e``, ``rss_increase_ratio_a_over_e`` (None if (e) had none; peak RSS increase during the
-steps: the two torch builds differ in library size, so absolute RSS is not comparable; it is reported
-as ``peak_rss_mib``), ``all_gathers`` and ``reduce_scatters`` (per step, a and e).
+``step.py``), ``step_ratio_a_over_e``, ``rss_increase_ratio_a_over_e`` (None if (e) had none; peak RSS
+increase during the steps: the two torch builds differ in library size, so absolute RSS is not
+comparable; it is reported as ``peak_rss_mib``), ``all_gathers`` and ``reduce_scatters`` (per step, a and e).
 
     python benchmarks/compare_envs.py --a-python .nox/tests-2-12-1/bin/python \\
         --e-python .nox/tests-2-13-0/bin/python [--rounds 3] [--json out.json] [--smoke]

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         added = m["patched"] - m["stock"]
         results.append({"torch": torch.__version__, "grad": grad, "unsharded_ns": m["unsharded"],
                         "stock_ns": m["stock"], "patched_ns": m["patched"], "fsdp_hook_ns": fsdp_hook,
-                        "added_ns": added, "added_over_fsdp_hook": added / fsdp_hook, "ratio": m["patched"] / m["stock"]})
+                        "added_ns": added, "added_over_fsdp_hook": added / fsdp_hook,
+                        "ratio": m["patched"] / m["stock"]})
     direct = _hooks_directly(rounds, calls)
     marginal = _marginal(fsdp_autocast_fix._compat.load().state_of(modules["patched"]), rounds, calls)
     fsdp_hook = statistics.mean(r["fsdp_hook_ns"] for r in results)
@@ -147,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results + direct + [marginal], f, indent=1)
-    print("| grad | unsharded ns | stock ns | patched ns | FSDP hooks ns | added ns | added / FSDP hooks | patched/stock |")
+    print("| grad | unsharded ns | stock ns | patched ns | FSDP hooks ns | added ns | added / FSDP hooks "
+          "| patched/stock |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['grad']} | {r['unsharded_ns']:.0f} | {r['stock_ns']:.0f} | {r['patched_ns']:.0f} | "

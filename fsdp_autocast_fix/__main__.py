@@ -41,7 +41,7 @@ def doctor() -> dict[str, Any]:
         report["probe"], report["probe_error"] = _probe_in_subprocess()
     probe = report["probe"]
     if probe is None:  # judge by the code check alone
-        needed = bool(s.needs_cast_replay)
+        needed = ["FSDP's casts in the recompute (code check; no live probe)"] if s.needs_cast_replay else []
         unfixed: list[str] = []
     else:
         needed = [r["pattern"] for r in probe if r["stock"] != "ok"]
@@ -53,8 +53,7 @@ def doctor() -> dict[str, Any]:
     elif s.patched_globally:
         report.update(exit_code=0, advice="the patch is active in this process and covers every pattern")
     else:
-        needed_for = f" (needed for: {'; '.join(needed)})" if isinstance(needed, list) else ""
-        report.update(exit_code=1, advice=FIX + needed_for)
+        report.update(exit_code=1, advice=f"{FIX} (needed for: {'; '.join(needed)})")
     return report
 
 

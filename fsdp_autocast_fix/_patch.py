@@ -1,20 +1,20 @@
 """The mechanism: capture each sharded module's forward-time state, replay it in the recompute.
 
-Each covered module gets two hooks of its own, next to FSDP's:
+Each covered module gets hooks of its own, next to FSDP's (which are not touched):
 
-* a forward pre-hook, placed first. On an ordinary forward it records the autocast
-  state (per device type in use, and the cache flag) and returns. On a recompute -
-  FSDP state ``PRE_BACKWARD``, or any forward that runs inside backward, which is what
-  reentrant-style checkpoints do - it enters that recorded autocast state where the
-  current one differs and, where this torch skips it, casts the inputs as FSDP's
-  forward did (``param_dtype`` when ``cast_forward_inputs``);
-* a forward hook with ``always_call=True``, placed last. After a recompute it casts the
-  output to ``output_dtype`` where this torch skips it, and exits whatever the pre-hook
-  entered, also when the forward raised.
+* a forward pre-hook, placed first. On an ordinary forward it reads the autocast state (per device
+  type in use, and the cache flag) and keeps it; when nothing changed since the last call, that is
+  all it does. On a recompute - FSDP state ``PRE_BACKWARD``, or any forward that runs inside
+  backward, which is what reentrant-style checkpoints do - it enters the kept autocast state where
+  the current one differs and, where this torch skips it, casts the inputs as FSDP's forward did
+  (``param_dtype`` when ``cast_forward_inputs``) and moves them as FSDP's root did;
+* a forward hook with ``always_call=True``, registered only while such a replay is in flight. It
+  casts the output to ``output_dtype`` where this torch skips it and exits whatever the pre-hook
+  entered, also when the forward raised, then takes itself off again.
 
-FSDP's own hooks are not touched. Modules sharded later are covered by a wrapt
-wrapper around ``FSDPState.init``; modules sharded earlier are found through torch's
-composable-state registry. The captured state holds no tensors.
+Both are wrapped with ``torch._dynamo.disable``, as FSDP wraps its own, so torch.compile runs them
+eagerly. Modules sharded later are covered by a wrapt wrapper around ``FSDPState.init``; modules
+sharded earlier are found through torch's composable-state registry. The kept state holds no tensors.
 """
 
 from __future__ import annotations
@@ -72,14 +72,12 @@ def _capture(device_types: tuple[str, ...]) -> Any:
 
 
 def _capture_enabled(device_types: tuple[str, ...]) -> Any:
-    return tuple([(_is_autocast_enabled(d), _get_autocast_dtype(d)) for d in device_types]), _is_autocast_cache_enabled()
+    per_device = tuple([(_is_autocast_enabled(d), _get_autocast_dtype(d)) for d in device_types])
+    return per_device, _is_autocast_cache_enabled()
 
 
-def _enter(captured: Any, device_types: tuple[str, ...]) -> contextlib.ExitStack | None:
-    """Enter ``captured`` where the current autocast state differs; None when it is already in force."""
-    current = _capture(device_types)
-    if captured is None or captured == current:
-        return None
+def _enter(captured: Any, device_types: tuple[str, ...]) -> contextlib.ExitStack:
+    """Enter the autocast state ``captured`` for every device type; exit it by closing the stack."""
     if captured is _ALL_OFF:
         captured = tuple((False, _get_autocast_dtype(d)) for d in device_types), _is_autocast_cache_enabled()
     per_device, cache_enabled = captured
@@ -337,8 +335,9 @@ def remove() -> None:
         _applied = False
         _force = False
         state_cls = _internals().fsdp_state_cls
-        if _init_wrapper is not None and state_cls.__dict__.get("init") is _init_wrapper:
-            state_cls.init = _init_wrapper.__wrapped__
+        wrapper = _init_wrapper
+        if wrapper is not None and state_cls.__dict__.get("init") is wrapper:
+            setattr(state_cls, "init", wrapper.__wrapped__)
             _init_wrapper = None
         else:  # someone wrapped on top of us: stay in place, inert while not applied
             logger.warning("FSDPState.init was wrapped again after apply(); leaving our inert wrapper in place")

@@ -41,7 +41,7 @@ class _GeluLinear(nn.Module):
         return self.linear1(F.gelu(x))
 
 
-class _NoAutocastRestore(torch.autograd.Function):
+class NoAutocastRestore(torch.autograd.Function):
     """A checkpoint that re-runs forward in backward without restoring autocast (as some libraries do)."""
 
     @staticmethod
@@ -81,7 +81,7 @@ def _grads(device: torch.device, shard: Callable[..., Any], module_kwargs: dict[
         if kind == "torch":
             out = checkpoint(model, x, use_reentrant=False)
         elif kind == "custom":
-            out = _NoAutocastRestore.apply(model, x)
+            out = NoAutocastRestore.apply(model, x)
         else:
             out = model(x)
     out.float().sum().backward()

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdp_autocast_fix
 from fsdp_autocast_fix import _compat
+from fsdp_autocast_fix._probe import NoAutocastRestore
 
 MODES = ("stock", "apply", "late_apply", "patched_fully_shard")
 FIXED_MODES = MODES[1:]
@@ -64,24 +65,8 @@ class FloatFirst(nn.Module):
         return self.lin(h * h)
 
 
-class RecomputeWithoutAutocast(torch.autograd.Function):
-    """A hand-written checkpoint that re-runs forward in backward without restoring autocast."""
-
-    @staticmethod
-    def forward(ctx: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        ctx.fn = fn
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return fn(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        (x,) = ctx.saved_tensors
-        x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = ctx.fn(x)
-        torch.autograd.backward(out, grad)
-        return None, x.grad
+#: A hand-written checkpoint that re-runs forward in backward without restoring autocast.
+RecomputeWithoutAutocast = NoAutocastRestore
 
 
 @dataclass(frozen=True)

@@ -51,4 +51,12 @@ def test_compare_envs_smoke(tmp_path) -> None:
     _run("compare_envs.py", "--a-python", sys.executable, "--e-python", sys.executable, "--rounds", "1",
          "--smoke", "--json", str(out))
     summary = json.loads(out.read_text())
-    assert {"step_ratio_a_over_e", "rss_increase_ratio_a_over_e", "all_gathers", "reduce_scatters", "a", "e"} <= set(summary)
+    expected = {"step_ratio_a_over_e", "rss_increase_ratio_a_over_e", "all_gathers", "reduce_scatters", "a", "e"}
+    assert expected <= set(summary)
+
+
+def test_value_check_smoke(tmp_path) -> None:
+    out = tmp_path / "value.json"
+    _run("value_check.py", "--smoke", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert set(result) == {"torch", "off_ms", "on_ms", "ratio"}

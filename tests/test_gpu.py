@@ -11,11 +11,11 @@ from typing import Any, Callable
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_autocast_fix
+from seed_two_ranks import DIM
+from seed_two_ranks import CheckpointedModule as Seed
 from fsdp_autocast_fix import _compat
 
 pytestmark = [
@@ -23,18 +23,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run tests/gpu_check.sh on a GPU machine"),
     pytest.mark.usefixtures("pg"),
 ]
-DIM = 256
-
-
-class Seed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear1 = nn.Linear(DIM, DIM)
-        self.seen: list[torch.dtype] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append(x.dtype)
-        return self.linear1(F.gelu(x))
 
 
 def _run(dtype: torch.dtype, patched: bool, use_checkpoint: bool, input_device: str = "cuda",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import seed_two_ranks
 import torch
 import torch.multiprocessing as mp

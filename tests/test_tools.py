@@ -119,7 +119,8 @@ def test_autoapply_without_editing_the_script(tmp_path) -> None:
 
 def test_pth_line_imports_nothing_without_the_variable(tmp_path) -> None:
     (tmp_path / _autoapply.PTH_NAME).write_text(_autoapply.pth_line())
-    code = f"import site, sys; site.addsitedir({str(tmp_path)!r}); print(sorted(m for m in sys.modules if m.startswith(('wrapt', 'torch', 'fsdp_autocast_fix'))))"
+    code = (f"import site, sys; site.addsitedir({str(tmp_path)!r}); "
+            "print(sorted(m for m in sys.modules if m.startswith(('wrapt', 'torch', 'fsdp_autocast_fix'))))")
     assert _python("-c", code).stdout.strip() == "[]"
 
 
