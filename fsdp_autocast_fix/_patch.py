@@ -335,7 +335,7 @@ def remove() -> None:
         _applied = False
         _force = False
         state_cls = _internals().fsdp_state_cls
-        wrapper = _init_wrapper
+        wrapper: Any = _init_wrapper
         if wrapper is not None and state_cls.__dict__.get("init") is wrapper:
             setattr(state_cls, "init", wrapper.__wrapped__)
             _init_wrapper = None
