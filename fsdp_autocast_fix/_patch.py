@@ -337,7 +337,7 @@ def remove() -> None:
         state_cls = _internals().fsdp_state_cls
         wrapper: Any = _init_wrapper
         if wrapper is not None and state_cls.__dict__.get("init") is wrapper:
-            setattr(state_cls, "init", wrapper.__wrapped__)
+            setattr(state_cls, "init", getattr(wrapper, "__wrapped__"))
             _init_wrapper = None
         else:  # someone wrapped on top of us: stay in place, inert while not applied
             logger.warning("FSDPState.init was wrapped again after apply(); leaving our inert wrapper in place")
