@@ -17,6 +17,8 @@ RAW = ROOT / ".matrix"
 RESULTS = ROOT / "matrix" / "results.json"
 README = ROOT / "README.md"
 START, END = "<!-- matrix:start -->", "<!-- matrix:end -->"
+SCEN_START, SCEN_END = "<!-- scenarios:start -->", "<!-- scenarios:end -->"
+SCENARIO_TORCHES = ("2.12.1", "2.13.0")
 COMMAND = "python3 -m nox -s matrix"
 
 
@@ -54,6 +56,27 @@ def _row(requested: str) -> dict[str, object]:
     return row
 
 
+def _replace(text: str, start: str, end: str, block: str) -> str:
+    if start in text:
+        return re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def _scenario_table(rows: list[dict[str, object]]) -> str:
+    """Every scenario on one buggy and one fixed torch: stock and the three ways of patching."""
+    lines = [SCEN_START]
+    for wanted in SCENARIO_TORCHES:
+        row = next((r for r in rows if r["requested"] == wanted and "scenarios" in r), None)
+        if row is None:
+            continue
+        lines += ["", f"torch {row['torch']} (needs cast replay: {row['needs_cast_replay']}):", "",
+                  "| scenario | stock | apply | late apply | patched_fully_shard |", "|---|---|---|---|---|"]
+        for name, c in row["scenarios"].items():  # type: ignore[union-attr]
+            lines.append(f"| {name} | {c['stock']} | {c['apply']} | {c['late_apply']} | {c['patched_fully_shard']} |")
+    lines.append(SCEN_END)
+    return "\n".join(lines)
+
+
 def main() -> int:
     """Write the results file and README's table; exit non-zero if any run had failures."""
     versions = sorted({p.name[len("torch-"):-len(".xml")] for p in RAW.glob("torch-*.xml")}, key=_version_key)
@@ -63,16 +86,17 @@ def main() -> int:
     RESULTS.write_text(json.dumps({"date": today, "command": COMMAND, "runs": rows}, indent=1) + "\n")
     lines = [START, f"Measured {today} with `{COMMAND}` (CPU, gloo; generated from `matrix/results.json`):", "",
              "| torch | needs cast replay | positive controls as expected | scenarios fixed (3 ways, bitwise) "
-             "| tests passed | suite |", "|---|---|---|---|---|---|"]
+             "| tests passed | failed | skipped | suite |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = r["tests"]
         lines.append(f"| {r['torch']} | {r['needs_cast_replay']} | {r['positive_controls_as_expected']} | "
-                     f"{r['scenarios_fixed']} | {t['passed']}/{t['tests']} | {r['suite']} |")
+                     f"{r['scenarios_fixed']} | {t['passed']}/{t['tests']} | {t['failures'] + t['errors']} | "
+                     f"{t['skipped']} | {r['suite']} |")
     lines.append(END)
-    text = README.read_text()
+    text = _replace(README.read_text(), START, END, "\n".join(lines))
+    text = _replace(text, SCEN_START, SCEN_END, _scenario_table(rows))
+    README.write_text(text)
     block = "\n".join(lines)
-    README.write_text(re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-                      if START in text else text.rstrip("\n") + "\n\n" + block + "\n")
     bad = [r["torch"] for r in rows if r["tests"]["failures"] or r["tests"]["errors"]]
     print(block)
     if bad:
