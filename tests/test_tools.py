@@ -63,7 +63,7 @@ def test_doctor_exit_0_when_the_patch_is_active(tmp_path) -> None:
 def test_demo() -> None:
     proc = _python("-m", "fsdp_autocast_fix", "demo")
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("[Gloo]")]  # gloo 2.8-2.10 prints
     assert lines[0] == f"torch {torch.__version__}"
     assert all(line.rstrip().endswith("| ok") for line in lines[2:]), proc.stdout
 
