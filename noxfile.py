@@ -137,12 +137,14 @@ def bench(session: nox.Session) -> None:
          run(buggy, "compare_envs.py", "--a-python", buggy, "--e-python", fixed, "--rounds", "3",
              "--json", f"{out}/compare_envs.json")),
     ]
+    session.run("python3", "-m", "nox", "-s", "chart", external=True)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     header = (f"Measured {datetime.date.today().isoformat()} with `python3 -m nox -s bench` on {os.cpu_count()} "
               f"CPU cores ({cpu}), gloo, 2 ranks for the step benchmark (8 layers, hidden 256, sequence 128, "
               f"batch 2, {steps} steps after 3 warm-up).")
     body = "\n\n".join(f"**{title}**\n\n{text.strip()}" for title, text in tables)
+    body += "\n\n![benchmarks](benchmarks/results/benchmarks.png)"
     block = f"<!-- bench:start -->\n{header}\n\n{body}\n<!-- bench:end -->"
     with open(f"{out}/latest.md", "w") as f:
         f.write(block + "\n")
@@ -153,3 +155,10 @@ def bench(session: nox.Session) -> None:
         readme = readme.rstrip("\n") + "\n\n" + block + "\n"
     open("README.md", "w").write(readme)
     print(block)
+
+
+@nox.session(python="3.11")
+def chart(session: nox.Session) -> None:
+    """benchmarks/results/benchmarks.png from the latest results (matplotlib, the ``plot`` extra)."""
+    session.install("matplotlib")  # the plot extra; the chart needs no torch
+    session.run("python", "benchmarks/chart.py")

@@ -1,0 +1,55 @@
+"""PNG chart of the latest benchmark results (``benchmarks/results/*.json``); needs matplotlib (extra ``plot``).
+
+    python benchmarks/chart.py [--out benchmarks/results/benchmarks.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Draw step time and peak RSS increase per variant, and the hook overhead, into one PNG."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=str(RESULTS / "benchmarks.png"))
+    args = parser.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = []
+    for name in ("step-2.12.1.json", "step-2.13.0.json"):
+        for r in json.loads((RESULTS / name).read_text()):
+            if r["ok"]:
+                steps.append((f"({r['variant']}) {r['torch'].split('+')[0]}", r["step_ms_median"],
+                              r["peak_rss_increase_mib"]))
+    hooks = [r for r in json.loads((RESULTS / "hook_overhead-2.12.1.json").read_text()) if "grad" in r]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    labels = [s[0] for s in steps]
+    axes[0].bar(labels, [s[1] for s in steps], color="tab:blue")
+    axes[0].set_title("training step, median ms (2 ranks, CPU)")
+    axes[1].bar(labels, [s[2] for s in steps], color="tab:orange")
+    axes[1].set_title("peak RSS increase during the steps, MiB")
+    for ax in axes[:2]:
+        ax.tick_params(axis="x", rotation=45)
+    width = 0.35
+    xs = range(len(hooks))
+    axes[2].bar([x - width / 2 for x in xs], [h["stock_ns"] / 1e3 for h in hooks], width, label="stock")
+    axes[2].bar([x + width / 2 for x in xs], [h["patched_ns"] / 1e3 for h in hooks], width, label="patched")
+    axes[2].set_xticks(list(xs), [f"grad {h['grad']}" for h in hooks])
+    axes[2].set_title("sharded module call, median us (torch 2.12.1)")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=100)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
