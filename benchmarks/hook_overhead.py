@@ -100,7 +100,7 @@ def _marginal(state: Any, rounds: int, calls: int) -> dict[str, Any]:
         module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         module.register_forward_hook(post)
         if name == "patched":
-            _patch._Cover(state, module, cast_replay=True, owner="benchmark")
+            _patch._Cover(state, module, owner="benchmark")
         modules[name] = module
     x = torch.randn(2, 8)
     _interleaved(modules, x, 2, calls)

@@ -101,18 +101,17 @@ class _Cover:
     :attr:`_compat.Internals.forward_hooks_snapshot`); otherwise it stays registered.
     """
 
-    __slots__ = ("state", "pre_backward", "device_types", "may_move", "moved", "cast_replay", "cast_in", "cast_out",
+    __slots__ = ("state", "pre_backward", "device_types", "may_move", "moved", "cast_in", "cast_out",
                  "captured", "others", "recomputed", "warned", "replays", "pre_handle", "post_handle", "owner",
                  "__weakref__")
 
-    def __init__(self, state: Any, module: torch.nn.Module, cast_replay: bool, owner: str) -> None:
+    def __init__(self, state: Any, module: torch.nn.Module, owner: str) -> None:
         self.state = state
         self.pre_backward = _internals().pre_backward
         device_type = state._device.type
         self.device_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
         self.may_move = device_type in _MOVING_DEVICE_TYPES
         self.moved = False  # whether FSDP moved this module's inputs to its device in the last forward
-        self.cast_replay = cast_replay
         # Whether FSDP's forward cast this module's inputs / output. Always, for a module sharded alone; for
         # fully_shard([a, b, ...]) only the first module's inputs and the last one's output (pre_forward_grouped).
         self.cast_in = self.cast_out = True
@@ -179,7 +178,7 @@ class _Cover:
                                "replaying the most recent one", type(module).__name__, len(self.others) + 1)
             stack = _enter(self.captured, self.device_types)
         policy = state._mp_policy
-        cast = self.cast_replay and fsdp_recompute
+        cast = fsdp_recompute and (_internals().needs_cast_replay or _force)
         output_dtype = policy.output_dtype if cast and self.cast_out else None
         if stack is not None or output_dtype is not None:
             self.replays.append((stack, output_dtype))
@@ -245,19 +244,17 @@ def _internals() -> _compat.Internals:
     return _compat.load()
 
 
-def _cover_state(internals: _compat.Internals, state: Any, owner: str) -> int:
+def _cover_state(state: Any, owner: str) -> int:
     """Cover every module of ``state`` not covered yet; return how many were added."""
-    modules = _compat.modules_of(state)
-    cast_replay = internals.needs_cast_replay or _force
     added = 0
-    for module in modules:
+    for module in _compat.modules_of(state):
         key = (id(state), id(module))
         cover = _covers.get(key)
         if cover is not None:
             if owner == _LOCAL:
                 cover.owner = _LOCAL  # patched_fully_shard's cover outlives remove()
             continue
-        _covers[key] = _Cover(state, module, cast_replay, owner)
+        _covers[key] = _Cover(state, module, owner)
         added += 1
     return added
 
@@ -277,7 +274,7 @@ def _init_wrapper_fn(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs:
     result = wrapped(*args, **kwargs)
     with _lock:
         if _applied:
-            _cover_state(_internals(), instance, _GLOBAL)
+            _cover_state(instance, _GLOBAL)
     return result
 
 
@@ -286,7 +283,8 @@ def apply(*, force: bool = False) -> bool:
 
     Idempotent. Returns True if it changed anything (first call, or a new ``force``).
     On a torch whose recompute already casts (2.13+), the cast replay is left to torch
-    unless ``force=True``; the autocast replay is active on every torch.
+    unless ``force=True`` (then every covered module replays the casts while the patch is in
+    force, ``patched_fully_shard``'s too); the autocast replay is active on every torch.
 
     Raises:
         UnsupportedTorchError: an internal the patch relies on is missing or changed;
@@ -299,9 +297,6 @@ def apply(*, force: bool = False) -> bool:
             return False
         if _applied:
             _force = force
-            for cover in list(_covers.values()):
-                if cover.owner == _GLOBAL:
-                    cover.cast_replay = internals.needs_cast_replay or force
             logger.info("fsdp_autocast_fix: force=%s", force)
             return True
         states = internals.all_states()
@@ -311,7 +306,7 @@ def apply(*, force: bool = False) -> bool:
         if _init_wrapper is None:
             _init_wrapper = wrapt.wrap_function_wrapper(internals.fsdp_state_cls, "init", _init_wrapper_fn)
         _applied = True
-        retrofitted = sum(_cover_state(internals, state, _GLOBAL) for state in states)
+        retrofitted = sum(_cover_state(state, _GLOBAL) for state in states)
     if internals.needs_cast_replay or force:
         logger.info("fsdp_autocast_fix applied (torch %s): cast and autocast replay; %d already-sharded "
                     "modules retrofitted", _compat.torch_version(), retrofitted)
@@ -381,7 +376,7 @@ def patched_fully_shard(*args: Any, **kwargs: Any) -> Any:
             state = internals.state_of(module)
             if state is not None:
                 _check_state(state)
-                _cover_state(internals, state, _LOCAL)
+                _cover_state(state, _LOCAL)
     return result
 
 
