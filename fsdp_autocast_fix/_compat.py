@@ -17,13 +17,14 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["Internals", "UnsupportedTorchError", "load"]
+__all__ = ["HookSlots", "Internals", "Slot", "UnsupportedTorchError", "hook_slots", "load"]
 
 #: Import paths of composable FSDP, newest first (2.6+ public path, then 2.4/2.5).
 _FSDP_PACKAGES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
@@ -154,6 +155,7 @@ def load() -> Internals:
             raise UnsupportedTorchError(label, repr(e)) from None
     if "always_call" not in inspect.signature(torch.nn.Module.register_forward_hook).parameters:
         raise UnsupportedTorchError("nn.Module.register_forward_hook(always_call=...)", "missing")
+    _check_storage_attributes()
 
     package = fsdp_package()
     fully_shard = package.fully_shard
@@ -198,6 +200,20 @@ def load() -> Internals:
     )
 
 
+def _check_storage_attributes() -> None:
+    """The patch keys each forward call's record on its input's storage: check that the storage's Python object
+    keeps an attribute for as long as the storage lives, and that ``detach()`` (how reentrant-style checkpoints
+    hand the saved inputs to the recompute) shares it."""
+    x = torch.zeros(2)
+    try:
+        x.untyped_storage()._fsdp_autocast_fix_probe = True  # type: ignore[attr-defined]
+        kept = getattr(x.detach().untyped_storage(), "_fsdp_autocast_fix_probe", False)
+    except (AttributeError, RuntimeError, TypeError) as e:
+        raise UnsupportedTorchError("Tensor.untyped_storage() attributes", repr(e)) from None
+    if not kept:
+        raise UnsupportedTorchError("Tensor.untyped_storage()", "does not keep its Python object across detach()")
+
+
 def _forward_hooks_snapshot() -> bool:
     """Read ``nn.Module._call_impl``: does its normal path iterate ``(*self._forward_hooks.items(), ...)``?"""
     try:
@@ -205,6 +221,101 @@ def _forward_hooks_snapshot() -> bool:
     except (OSError, TypeError):  # pragma: no cover - no source shipped
         return False
     return "*self._forward_hooks.items()" in source
+
+
+class Slot:
+    """One place where FSDP keeps a hook callable: a module's hook-dict entry or a closure cell.
+
+    The patch puts its own callable there and later the original back, so that it runs exactly
+    where (and only when) FSDP's own hook runs.
+    """
+
+    def get(self) -> Any:
+        """The callable kept here now."""
+        raise NotImplementedError
+
+    def set(self, value: Any) -> None:
+        """Keep ``value`` here instead."""
+        raise NotImplementedError
+
+
+class _DictSlot(Slot):
+    def __init__(self, hooks: dict[int, Any], key: int) -> None:
+        self.hooks, self.key = hooks, key
+
+    def get(self) -> Any:
+        return self.hooks.get(self.key)
+
+    def set(self, value: Any) -> None:
+        if self.key in self.hooks:  # never re-adds a hook that was removed meanwhile
+            self.hooks[self.key] = value
+
+
+class _CellSlot(Slot):
+    def __init__(self, cell: types.CellType) -> None:
+        self.cell = cell
+
+    def get(self) -> Any:
+        return self.cell.cell_contents
+
+    def set(self, value: Any) -> None:
+        self.cell.cell_contents = value
+
+
+@dataclass(frozen=True)
+class HookSlots:
+    """Where FSDP's hooks for one module live.
+
+    ``entry`` is FSDP's forward pre-hook entry in the module's hook dict (what ``nn.Module.__call__``
+    runs); ``pre`` and ``post`` hold the state's bound ``_pre_forward`` / ``_post_forward``. For a
+    module sharded alone ``pre`` is ``entry``; for ``fully_shard([a, b, ...])`` the entries are group
+    closures that call ``_pre_forward`` / ``_post_forward`` only for the module that starts / ends the
+    group's pass (2.5-2.12), and ``pre`` / ``post`` are the closure cells holding them.
+    """
+
+    entry: Slot
+    pre: Slot
+    post: Slot
+
+
+def _cell_holding(fn: Any, target: Any, depth: int = 3) -> types.CellType | None:
+    """The closure cell, in ``fn`` or a function it closes over, that holds the bound method ``target``."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if type(value) is types.MethodType and value == target:
+            return cell
+        if depth and inspect.isfunction(value):
+            found = _cell_holding(value, target, depth - 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _find_hook(hooks: dict[int, Any], target: Any) -> tuple[int, Slot] | None:
+    """The key of the hook entry that is, or calls, ``target``, and the slot that holds ``target``."""
+    for key, hook in hooks.items():
+        if type(hook) is types.MethodType and hook == target:
+            return key, _DictSlot(hooks, key)
+        cell = _cell_holding(hook, target)
+        if cell is not None:
+            return key, _CellSlot(cell)
+    return None
+
+
+def hook_slots(state: Any, module: torch.nn.Module) -> HookSlots:
+    """Find FSDP's hooks for ``module`` of ``state``; raise :class:`UnsupportedTorchError` if not where expected."""
+    pre = _find_hook(module._forward_pre_hooks, state._pre_forward)
+    post = _find_hook(module._forward_hooks, state._post_forward)
+    if pre is None or post is None:
+        raise UnsupportedTorchError(
+            f"FSDP's forward {'pre-hook' if pre is None else 'hook'} on {type(module).__name__}",
+            "not found where fully_shard registers it")
+    key, pre_slot = pre
+    entry = pre_slot if isinstance(pre_slot, _DictSlot) else _DictSlot(module._forward_pre_hooks, key)
+    return HookSlots(entry=entry, pre=pre_slot, post=post[1])
 
 
 def fsdp_package() -> Any:
@@ -217,6 +328,31 @@ def fsdp_package() -> Any:
         if hasattr(package, "fully_shard"):
             return package
     raise UnsupportedTorchError("fully_shard", f"not found in {' or '.join(_FSDP_PACKAGES)}")
+
+
+def autocast_device_types() -> tuple[str, ...]:
+    """Device types whose autocast state :func:`fsdp_autocast_fix.preserve_autocast` carries: CPU, and each
+    accelerator this torch has a backend for."""
+    names = ["cpu", "cuda", "xpu", "hpu", "mtia", "mps", torch._C._get_privateuse1_backend_name()]
+    available = getattr(torch.amp, "is_autocast_available", None)
+    found = []
+    for name in dict.fromkeys(names):
+        try:
+            if (available is None or available(name)) and (name == "cpu" or _backend_available(name)):
+                torch.is_autocast_enabled(name)
+                found.append(name)
+        except (RuntimeError, TypeError, ValueError, AttributeError):
+            continue
+    return tuple(found)
+
+
+def _backend_available(device_type: str) -> bool:
+    module = getattr(torch, device_type, None)
+    is_available = getattr(module, "is_available", None)
+    try:
+        return bool(is_available()) if callable(is_available) else False
+    except Exception:  # pragma: no cover - a backend that fails to answer is not available
+        return False
 
 
 def torch_version() -> str:

@@ -1,20 +1,31 @@
-"""The mechanism: capture each sharded module's forward-time state, replay it in the recompute.
+"""The mechanism: record what each forward call of a sharded module saw, replay it in that call's recompute.
 
-Each covered module gets hooks of its own, next to FSDP's (which are not touched):
+For every module it covers, the patch takes the place of FSDP's own forward pre-hook in the module's
+hook dict (same key, so the same position among the user's hooks) and calls FSDP's hook from there:
 
-* a forward pre-hook, placed first. On an ordinary forward it reads the autocast state (per device
-  type in use, and the cache flag) and keeps it; when nothing changed since the last call, that is
-  all it does. On a recompute - FSDP state ``PRE_BACKWARD``, or any forward that runs inside
-  backward, which is what reentrant-style checkpoints do - it enters the kept autocast state where
-  the current one differs and, where this torch skips it, casts the inputs as FSDP's forward did
-  (``param_dtype`` when ``cast_forward_inputs``) and moves them as FSDP's root did;
-* a forward hook with ``always_call=True``, registered only while such a replay is in flight. It
-  casts the output to ``output_dtype`` where this torch skips it and exits whatever the pre-hook
-  entered, also when the forward raised, then takes itself off again.
+* **Ordinary forward.** Before FSDP's hook runs, it records the call: the autocast state (enabled and
+  dtype per device type in use, and the cache flag) and whether FSDP's root moved the inputs to the
+  device. The record is a few scalars, kept on the Python object of the call's first input tensor's
+  storage, under (module, storage offset, numel) and checked against the tensor's version counter. A
+  recompute gets the same storage back, the very tensor (``torch.utils.checkpoint``) or a ``detach()``
+  of it (reentrant-style checkpoints), so it finds the record of the call it recomputes; a record lives
+  exactly as long as the input it belongs to. At the start of a forward pass (FSDP's root) with
+  gradients on, it also drops autocast's cached casts: FSDP2 reuses its unsharded parameters between
+  passes, so a cast cached by an earlier pass (a ``no_grad`` eval pass, say) would cut this pass off
+  from the parameters (pytorch issue 158232). A cast is recomputed to the same bits.
+* **Recompute** (FSDP state ``PRE_BACKWARD``, or any forward inside backward, which is how reentrant-style
+  checkpoints recompute). For the outermost covered module of the recompute it looks the call up,
+  enters that call's autocast state where the current one differs (a checkpoint that restored it
+  correctly sees no change), drops cached casts, and registers a forward hook (last, ``always_call``)
+  that undoes all this after the module's other hooks. Modules called inside it re-run as in the
+  forward and need nothing. Where this torch skips FSDP's casts in ``PRE_BACKWARD`` (2.4-2.12) it casts
+  the inputs right after FSDP's pre-hook and the output right in FSDP's post-hook (swapped in for the
+  recompute), so the user's hooks before and after FSDP's see what they saw in the forward.
 
-Both are wrapped with ``torch._dynamo.disable``, as FSDP wraps its own, so torch.compile runs them
-eagerly. Modules sharded later are covered by a wrapt wrapper around ``FSDPState.init``; modules
-sharded earlier are found through torch's composable-state registry. The kept state holds no tensors.
+If user pre-hooks run before FSDP's, a lead pre-hook of the patch is put first so that the record and
+the replayed autocast state come before them too. The patch's hooks are wrapped with
+``torch._dynamo.disable`` as FSDP's are, so torch.compile runs them eagerly where it ran FSDP's. Modules sharded later are covered through a wrapt wrapper on ``FSDPState.init``,
+modules sharded earlier through torch's composable-state registry.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 import sys
 import threading
@@ -39,28 +51,47 @@ _GLOBAL = "apply"
 _LOCAL = "patched_fully_shard"
 
 # Hot-path callables, bound once.
+_Tensor = torch.Tensor
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
 _graph_task_id = torch._C._current_graph_task_id
 _is_autocast_enabled = torch.is_autocast_enabled
 _get_autocast_dtype = torch.get_autocast_dtype
 _is_autocast_cache_enabled = torch.is_autocast_cache_enabled
+_is_grad_enabled = torch.is_grad_enabled
+_clear_autocast_cache = torch.clear_autocast_cache
 
 #: Captured when no autocast is enabled anywhere: the replay disables autocast.
 _ALL_OFF = "all-off"
 #: Device types whose forward root FSDP moves inputs to (``FSDPState._root_pre_forward``).
 _MOVING_DEVICE_TYPES = frozenset({"cuda", "hpu", "xpu", "mtia", torch._C._get_privateuse1_backend_name()})
+#: Attribute on an input storage's Python object: ``{(cover key, offset, numel): (version, states)}``.
+_CALLS = "_fsdp_autocast_fix_calls"
+#: Records kept per storage: the oldest goes first (a long-lived buffer sliced anew for every call).
+_MAX_CALLS_PER_STORAGE = 256
 
 _lock = threading.RLock()
-#: (id(state), id(module)) -> _Cover. A cover keeps its state (and so the module) alive,
-#: and the module's hook dicts keep the cover alive, so the ids cannot be reused meanwhile.
-_covers: weakref.WeakValueDictionary[tuple[int, int], _Cover] = weakref.WeakValueDictionary()
+#: id(state) -> _Cover. A cover keeps its state (and so the modules) alive, and the modules' hook dicts,
+#: which hold the patch's hooks, keep the cover alive: an entry goes when the model is freed, and the id
+#: cannot be reused meanwhile.
+_covers: weakref.WeakValueDictionary[int, _Cover] = weakref.WeakValueDictionary()
+_keys = itertools.count(1)
 _applied = False
 _force = False
 _init_wrapper: Any = None
+_tls = threading.local()
+
+
+def _frames() -> list[_Frame]:
+    """This thread's recomputes in flight, outermost first (autograd may recompute on its own threads)."""
+    try:
+        return _tls.frames  # type: ignore[no-any-return]
+    except AttributeError:
+        _tls.frames = []
+        return _tls.frames  # type: ignore[no-any-return]
 
 
 def _eager(hook: Any) -> Any:
-    """``hook`` as FSDP registers its own: torch.compile runs it eagerly, outside any graph, never traces it."""
+    """``hook`` as torch.compile must see it: run eagerly, never traced (only registered during a replay)."""
     return torch._dynamo.disable(hook, recursive=True)
 
 
@@ -93,146 +124,318 @@ def _enter(captured: Any, device_types: tuple[str, ...]) -> contextlib.ExitStack
     return stack
 
 
-class _Cover:
-    """The capture/replay hooks of one module managed by one FSDP state.
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The tensor a call is recorded under: its first positional tensor, else its first keyword tensor."""
+    for value in args:
+        if isinstance(value, _Tensor):
+            return value
+    for value in kwargs.values():
+        if isinstance(value, _Tensor):
+            return value
+    return None
 
-    The pre-hook is always registered. The post-hook is registered only while a replay is in flight
-    (when this torch's ``nn.Module.__call__`` allows removing it from inside, see
-    :attr:`_compat.Internals.forward_hooks_snapshot`); otherwise it stays registered.
-    """
 
-    __slots__ = ("state", "pre_backward", "device_types", "may_move", "moved", "cast_in", "cast_out",
-                 "captured", "others", "recomputed", "warned", "replays", "pre_handle", "post_handle", "owner",
-                 "__weakref__")
+class _Frame:
+    """A recompute in flight on this thread: the outermost covered module being recomputed."""
 
-    def __init__(self, state: Any, module: torch.nn.Module, owner: str) -> None:
-        self.state = state
-        self.pre_backward = _internals().pre_backward
-        device_type = state._device.type
-        self.device_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
-        self.may_move = device_type in _MOVING_DEVICE_TYPES
-        self.moved = False  # whether FSDP moved this module's inputs to its device in the last forward
-        # Whether FSDP's forward cast this module's inputs / output. Always, for a module sharded alone; for
-        # fully_shard([a, b, ...]) only the first module's inputs and the last one's output (pre_forward_grouped).
-        self.cast_in = self.cast_out = True
-        self.captured: Any = None  # autocast state of the last ordinary forward; None before the first
-        self.others: tuple[Any, ...] = ()  # other autocast states seen since the last recompute
-        self.recomputed = False
+    __slots__ = ("module", "moved")
+
+    def __init__(self, module: torch.nn.Module, moved: bool) -> None:
+        self.module = module
+        self.moved = moved  # whether FSDP's root moved this call's inputs to the device in the forward
+
+
+class _Replay:
+    """What one recompute of a module changed, undone by the module's exit hook."""
+
+    __slots__ = ("frame", "stack", "swapped")
+
+    def __init__(self, frame: _Frame | None, stack: contextlib.ExitStack | None, swapped: bool) -> None:
+        self.frame, self.stack, self.swapped = frame, stack, swapped
+
+
+class _Module:
+    """The patch's hooks on one module of a covered state."""
+
+    __slots__ = ("cover", "key", "slots", "fsdp_entry", "hook", "grouped", "lead", "n_pre", "replays",
+                 "exit_handle", "last", "warned", "__weakref__")
+
+    def __init__(self, cover: _Cover, module: torch.nn.Module, slots: _compat.HookSlots) -> None:
+        self.cover = cover
+        self.key = next(_keys)  # never reused, unlike id(): records of a removed cover stay unmatched
+        self.slots = slots
+        self.fsdp_entry = slots.entry.get()
+        self.grouped = slots.pre is not slots.entry
+        self.lead: Any = None  # handle of the lead pre-hook, while user pre-hooks run before FSDP's
+        self.n_pre = -1
+        self.replays: list[_Replay] = []
+        self.exit_handle: Any = None
+        self.last: Any = None  # the state of the last recorded call, for the unidentified-recompute warning
         self.warned = False
-        self.replays: list[tuple[contextlib.ExitStack | None, torch.dtype | None]] = []
-        self.owner = owner
-        grouped = len(_compat.modules_of(state)) > 1
-        hook = self.pre_forward_grouped if grouped else self.pre_forward
-        self.pre_handle = module.register_forward_pre_hook(_eager(hook), prepend=True, with_kwargs=True)
-        self.post_handle: Any = None
-        if not _internals().forward_hooks_snapshot:
-            self._register_post(module)
+        self.hook = _eager(self.entry)  # as FSDP's own hooks: torch.compile runs it eagerly, never traces it
+        slots.entry.set(self.hook)
+        self._place_lead(module)
 
-    def pre_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        state = self.state
-        if state._training_state is self.pre_backward:  # FSDP's recompute
-            return self._replay(module, args, kwargs, True, None)
-        now = _capture_enabled(self.device_types) if _any_autocast_enabled() else _ALL_OFF
-        if self.may_move:  # FSDP's forward root moves the inputs to its device
-            self.moved = state._state_ctx.iter_forward_root is None
-        if now == self.captured and not self.recomputed:  # the hot path: nothing changed, nothing to do
-            return None
-        if _graph_task_id() != -1:  # a forward inside backward: a reentrant-style recompute
-            return self._replay(module, args, kwargs, False, now)
-        self._note(now)
-        return None
+    # -- the hot path ---------------------------------------------------------------------------------
 
-    def pre_forward_grouped(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """For a module of ``fully_shard([a, b, ...])``: also note what FSDP casts for it in this forward.
+    def entry(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """In the place of FSDP's pre-hook entry: record or replay, then FSDP's pre-hook."""
+        if self.n_pre != len(module._forward_pre_hooks):
+            self._place_lead(module)
+        if self.lead is None:
+            self.begin(module, args, kwargs)
+        if self.grouped:  # the group closure calls the state's pre-hook (ours in its cell) when FSDP would
+            return self.fsdp_entry(module, args, kwargs)
+        return self.cover.pre_forward(module, args, kwargs)
 
-        Before FSDP's group pre-hook runs, ``_modules_to_run_forward`` is empty for the module that starts
-        the group's pass (FSDP runs ``_pre_forward``, with the input cast, for it alone) and holds just this
-        module for the one that ends it (``_post_forward``, with the output cast, runs for it alone).
-        """
-        state = self.state
-        if state._training_state is not self.pre_backward and _graph_task_id() == -1:
-            to_run = state._modules_to_run_forward
-            self.cast_in = not to_run
-            self.cast_out = len(to_run) == 1 and module in to_run
-        return self.pre_forward(module, args, kwargs)
+    def lead_hook(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """First of all pre-hooks, while user pre-hooks run before FSDP's: record or replay there."""
+        self.begin(module, args, kwargs)
 
-    def _note(self, now: Any) -> None:
-        """An ordinary forward whose autocast state differs from the last one, or the first after a recompute."""
-        if self.recomputed:
-            self.others, self.recomputed = (), False
-        elif self.captured is not None and self.captured not in self.others:
-            self.others += (self.captured,)
-        self.captured = now
-
-    def _replay(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], fsdp_recompute: bool,
-                now: Any) -> Any:
-        self.recomputed = True
-        state = self.state
-        if now is None:
-            now = _capture(self.device_types)
-        stack = None
-        if self.captured is not None and now != self.captured and now not in self.others:
-            if self.others and not self.warned:
-                self.warned = True
-                logger.warning("%s ran forward under %d different autocast states before this recompute; "
-                               "replaying the most recent one", type(module).__name__, len(self.others) + 1)
-            stack = _enter(self.captured, self.device_types)
-        policy = state._mp_policy
-        cast = fsdp_recompute and (_internals().needs_cast_replay or _force)
-        output_dtype = policy.output_dtype if cast and self.cast_out else None
-        if stack is not None or output_dtype is not None:
-            self.replays.append((stack, output_dtype))
-            if self.post_handle is None:
-                self._register_post(module)
-        if fsdp_recompute and self.moved:  # not replayed by any torch release yet
-            args_tuple, kwargs_tuple = _internals().to_kwargs(args, kwargs, state._device, False)
-            args, kwargs = args_tuple[0], kwargs_tuple[0]
-        if cast and self.cast_in and policy.cast_forward_inputs and policy.param_dtype is not None:
-            return _cast(policy.param_dtype, args), _cast(policy.param_dtype, kwargs)
-        return args, kwargs
-
-    def _register_post(self, module: torch.nn.Module) -> None:
-        self.post_handle = module.register_forward_hook(_eager(self.post_forward), always_call=True)
-
-    def post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        if not self.replays:  # a stale registration after an exception: drop it now
-            self._unregister_post()
-            return None
-        stack, output_dtype = self.replays.pop()
+    def begin(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Record an ordinary call; start the replay of a recompute."""
+        cover = self.cover
+        state = cover.state
+        if state._training_state is cover.pre_backward or _graph_task_id() != -1:
+            self._begin_recompute(module, args, kwargs)
+            return
+        root = state._state_ctx.iter_forward_root is None  # this call starts a forward pass
+        if _any_autocast_enabled():
+            now = _capture_enabled(cover.device_types)
+            if root and now[1] and _is_grad_enabled():
+                _clear_autocast_cache()  # casts cached by an earlier pass hold no path to FSDP's parameters
+        else:
+            now = _ALL_OFF
+        call = (now, cover.may_move and root)
+        self.last = call
+        x = args[0] if args and type(args[0]) is _Tensor else _first_tensor(args, kwargs)
+        if x is None:
+            return
         try:
-            if output_dtype is not None:
-                output = _cast(output_dtype, output)
-        finally:
-            if stack is not None:
-                stack.close()
-            if not self.replays:
-                self._unregister_post()
-        return output
+            storage = x.untyped_storage()
+            key = (self.key, x.storage_offset(), x.numel())
+            version = x._version
+        except (RuntimeError, NotImplementedError, TypeError):  # a tensor without a storage of its own
+            return
+        calls = getattr(storage, _CALLS, None)
+        if calls is None:
+            calls = {}
+            setattr(storage, _CALLS, calls)
+        seen = calls.get(key)
+        if seen is None or seen[0] != version:
+            calls[key] = (version, (call,))
+            if len(calls) > _MAX_CALLS_PER_STORAGE:
+                del calls[next(iter(calls))]
+        elif seen[1][-1] != call:  # the same input again, in another state: keep each state once, latest last
+            calls[key] = (version, tuple(c for c in seen[1] if c != call) + (call,))
 
-    def _unregister_post(self) -> None:
+    # -- recompute ------------------------------------------------------------------------------------
+
+    def _lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+        """The states recorded for the forward call whose inputs these are, or None."""
+        x = _first_tensor(args, kwargs)
+        if x is None:
+            return None
+        try:
+            calls = getattr(x.untyped_storage(), _CALLS, None)
+            seen = calls and calls.get((self.key, x.storage_offset(), x.numel()))
+            return seen[1] if seen and seen[0] == x._version else None
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None
+
+    def _choose(self, module: torch.nn.Module, calls: tuple[Any, ...] | None, now: Any) -> Any:
+        """The recorded call to replay, or None to leave the state as the checkpoint set it."""
+        if calls is None:
+            if self.last is not None and self.last[0] != now and not self.warned:
+                self.warned = True
+                logger.warning(
+                    "%s: cannot tell which forward call this recompute replays (its first input tensor is not "
+                    "one a recorded call received); leaving autocast as the checkpoint set it. If the checkpoint "
+                    "does not restore autocast, wrap it with fsdp_autocast_fix.preserve_autocast",
+                    type(module).__name__)
+            return None
+        if len(calls) == 1:
+            return calls[0]
+        for call in calls:  # the same input under several states: the one the checkpoint restored, if any
+            if call[0] == now:
+                chosen = call
+                break
+        else:
+            chosen = calls[-1]
+        if not self.warned:
+            self.warned = True
+            logger.warning(
+                "%s ran forward on the same input under %d autocast states before this recompute; replaying %s "
+                "(the current state if it is one of them, else the most recent). Wrap the checkpoint with "
+                "fsdp_autocast_fix.preserve_autocast to make it exact", type(module).__name__, len(calls),
+                "the current state" if chosen[0] == now else "the most recent")
+        return chosen
+
+    def _begin_recompute(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        cover = self.cover
+        frames = _frames()
+        frame = stack = None
+        if not frames:  # the outermost covered module of this recompute: the call it replays
+            now = _capture(cover.device_types)
+            chosen = self._choose(module, self._lookup(args, kwargs), now)
+            if chosen is not None and chosen[0] != now:
+                stack = _enter(chosen[0], cover.device_types)
+            _clear_autocast_cache()  # the recompute casts anew, with gradients, as the forward did
+            frame = _Frame(module, chosen is not None and chosen[1])
+            frames.append(frame)
+        # FSDP's post-hook returns the output uncast in PRE_BACKWARD on this torch: cast in its place.
+        swapped = cover.state._training_state is cover.pre_backward and cover.casts()
+        if frame is None and not swapped:
+            return  # inside a replayed module: it re-runs as in the forward
+        if swapped:
+            cover.swap_post()
+        self.replays.append(_Replay(frame, stack, swapped))
+        if self.exit_handle is None:
+            self.exit_handle = module.register_forward_hook(_eager(self.exit), always_call=True)
+
+    def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Last forward hook while a replay is in flight: undo what :meth:`begin` changed, also on errors."""
+        if not self.replays:  # a stale registration after an exception: drop it now
+            self._unregister_exit()
+            return
+        replay = self.replays.pop()
+        try:
+            if replay.swapped:
+                self.cover.unswap_post()
+            if replay.frame is not None:
+                frames = _frames()
+                if replay.frame in frames:
+                    frames.remove(replay.frame)
+        finally:
+            if replay.stack is not None:
+                replay.stack.close()
+            if not self.replays:
+                self._unregister_exit()
+
+    def _unregister_exit(self) -> None:
         # nn.Module.__call__ runs forward hooks from a snapshot on its normal path, so the hook may remove
         # itself there. On its exception path (an error, or checkpoint's early stop) it iterates the dict
         # itself: then the removal waits for the end of the backward pass this recompute belongs to, or,
         # outside backward, for the module's next call.
-        if self.post_handle is None or not _internals().forward_hooks_snapshot:
+        if self.exit_handle is None or not _internals().forward_hooks_snapshot:
             return
         if sys.exc_info()[1] is None:
-            self._drop_post()
+            self._drop_exit()
         elif _graph_task_id() != -1:
-            _internals().queue_backward_callback(self._drop_post)
+            _internals().queue_backward_callback(self._drop_exit)
 
-    def _drop_post(self) -> None:
-        if self.post_handle is not None and not self.replays:
-            self.post_handle.remove()
-            self.post_handle = None
+    def _drop_exit(self) -> None:
+        if self.exit_handle is not None and not self.replays:
+            self.exit_handle.remove()
+            self.exit_handle = None
+
+    # -- placement ------------------------------------------------------------------------------------
+
+    def _place_lead(self, module: torch.nn.Module) -> None:
+        """Keep the lead pre-hook first while other pre-hooks run before FSDP's; drop it otherwise."""
+        hooks = module._forward_pre_hooks
+        ours = {self.slots.entry.key} | ({self.lead.id} if self.lead is not None else set())  # type: ignore[attr-defined]
+        before = list(itertools.takewhile(lambda k: k != self.slots.entry.key, hooks))  # type: ignore[attr-defined]
+        if any(k not in ours for k in before):
+            if self.lead is None:
+                self.lead = module.register_forward_pre_hook(_eager(self.lead_hook), prepend=True, with_kwargs=True)
+            elif next(iter(hooks)) != self.lead.id:
+                hooks.move_to_end(self.lead.id, last=False)
+        elif self.lead is not None:
+            self.lead.remove()
+            self.lead = None
+        self.n_pre = len(hooks)
 
     def remove(self) -> None:
-        """Take both hooks off the module and drop any replay state."""
-        self.pre_handle.remove()
-        if self.post_handle is not None:
-            self.post_handle.remove()
-            self.post_handle = None
+        """Put FSDP's entry back and take the patch's hooks off the module."""
+        if self.slots.entry.get() is self.hook:
+            self.slots.entry.set(self.fsdp_entry)
+        else:  # pragma: no cover - someone replaced the entry after us: leave theirs
+            logger.warning("FSDP's pre-hook entry was replaced after fsdp_autocast_fix covered the module; "
+                           "leaving it as it is")
+        if self.lead is not None:
+            self.lead.remove()
+            self.lead = None
+        for replay in self.replays:
+            if replay.stack is not None:
+                replay.stack.close()
         self.replays.clear()
+        if self.exit_handle is not None:
+            self.exit_handle.remove()
+            self.exit_handle = None
+
+
+class _Cover:
+    """The patch on one FSDP state: its modules' hooks, and FSDP's casts where this torch skips them."""
+
+    __slots__ = ("state", "owner", "pre_backward", "device_types", "may_move", "fsdp_pre", "fsdp_post",
+                 "post_slots", "pre_slot", "swaps", "modules", "__weakref__")
+
+    def __init__(self, state: Any, slots: list[tuple[torch.nn.Module, _compat.HookSlots]], owner: str) -> None:
+        self.state = state
+        self.owner = owner
+        self.pre_backward = _internals().pre_backward
+        device_type = state._device.type
+        self.device_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
+        self.may_move = device_type in _MOVING_DEVICE_TYPES
+        first = slots[0][1]
+        self.fsdp_pre = first.pre.get()
+        self.fsdp_post = first.post.get()
+        self.post_slots = list({id(s.post): s.post for _, s in slots}.values())  # a group shares one cell
+        self.pre_slot = first.pre if first.pre is not first.entry else None
+        self.swaps = 0
+        if self.pre_slot is not None:
+            self.pre_slot.set(self.pre_forward)
+        self.modules = [_Module(self, module, s) for module, s in slots]
+
+    def casts(self) -> bool:
+        """Whether the patch casts in FSDP's place in ``PRE_BACKWARD``."""
+        return _internals().needs_cast_replay or _force
+
+    def pre_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """FSDP's ``_pre_forward``, then, in ``PRE_BACKWARD``, the input move and cast its forward did."""
+        state = self.state
+        if state._training_state is not self.pre_backward:
+            return self.fsdp_pre(module, args, kwargs)
+        args, kwargs = self.fsdp_pre(module, args, kwargs)
+        frames = _frames()
+        if frames and frames[-1].module is module and frames[-1].moved:  # no torch release replays this
+            args_tuple, kwargs_tuple = _internals().to_kwargs(args, kwargs, state._device, False)
+            args, kwargs = args_tuple[0], kwargs_tuple[0]
+        policy = state._mp_policy
+        if self.casts() and policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = _cast(policy.param_dtype, args), _cast(policy.param_dtype, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, input: Any, output: Any) -> Any:
+        """FSDP's ``_post_forward``, then, in ``PRE_BACKWARD``, the output cast its forward did."""
+        output = self.fsdp_post(module, input, output)
+        dtype = self.state._mp_policy.output_dtype
+        if dtype is not None and self.state._training_state is self.pre_backward:
+            output = _cast(dtype, output)
+        return output
+
+    def swap_post(self) -> None:
+        if self.swaps == 0:
+            for slot in self.post_slots:
+                slot.set(self.post_forward)
+        self.swaps += 1
+
+    def unswap_post(self) -> None:
+        self.swaps -= 1
+        if self.swaps == 0:
+            for slot in self.post_slots:
+                slot.set(self.fsdp_post)
+
+    def remove(self) -> None:
+        """Take the patch off every module of the state; FSDP's hooks are as they were."""
+        for module_cover in self.modules:
+            module_cover.remove()
+        if self.swaps:
+            self.swaps = 1
+            self.unswap_post()
+        if self.pre_slot is not None:
+            self.pre_slot.set(self.fsdp_pre)
 
 
 def _cast(dtype: torch.dtype, tree: Any) -> Any:
@@ -244,30 +447,26 @@ def _internals() -> _compat.Internals:
     return _compat.load()
 
 
-def _cover_state(state: Any, owner: str) -> int:
-    """Cover every module of ``state`` not covered yet; return how many were added."""
-    added = 0
-    for module in _compat.modules_of(state):
-        key = (id(state), id(module))
-        cover = _covers.get(key)
-        if cover is not None:
-            if owner == _LOCAL:
-                cover.owner = _LOCAL  # patched_fully_shard's cover outlives remove()
-            continue
-        _covers[key] = _Cover(state, module, owner)
-        added += 1
-    return added
-
-
-def _check_state(state: Any) -> None:
-    for name in ("_training_state", "_mp_policy", "_device"):
+def _slots_of(state: Any) -> list[tuple[torch.nn.Module, _compat.HookSlots]]:
+    """Check ``state`` and find FSDP's hooks for each of its modules (raises before anything is changed)."""
+    for name in ("_training_state", "_mp_policy", "_device", "_state_ctx"):
         if not hasattr(state, name):
             raise _compat.UnsupportedTorchError(f"FSDPState.{name}", "missing on a sharded module's state")
-    if state._device.type in _MOVING_DEVICE_TYPES and not hasattr(getattr(state, "_state_ctx", None),
-                                                                  "iter_forward_root"):
+    if not hasattr(state._state_ctx, "iter_forward_root"):
         raise _compat.UnsupportedTorchError("FSDPState._state_ctx.iter_forward_root", "missing")
-    if len(_compat.modules_of(state)) > 1 and not hasattr(state, "_modules_to_run_forward"):
-        raise _compat.UnsupportedTorchError("FSDPState._modules_to_run_forward", "missing on a grouped state")
+    return [(module, _compat.hook_slots(state, module)) for module in _compat.modules_of(state)]
+
+
+def _cover_state(state: Any, owner: str) -> int:
+    """Cover ``state``'s modules unless already covered; return how many modules were added."""
+    cover = _covers.get(id(state))
+    if cover is not None:
+        if owner == _LOCAL:
+            cover.owner = _LOCAL  # patched_fully_shard's cover outlives remove()
+        return 0
+    cover = _Cover(state, _slots_of(state), owner)
+    _covers[id(state)] = cover
+    return len(cover.modules)
 
 
 def _init_wrapper_fn(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -284,7 +483,8 @@ def apply(*, force: bool = False) -> bool:
     Idempotent. Returns True if it changed anything (first call, or a new ``force``).
     On a torch whose recompute already casts (2.13+), the cast replay is left to torch
     unless ``force=True`` (then every covered module replays the casts while the patch is in
-    force, ``patched_fully_shard``'s too); the autocast replay is active on every torch.
+    force, ``patched_fully_shard``'s too); the per-call autocast replay and the autocast
+    cache fix are active on every torch.
 
     Raises:
         UnsupportedTorchError: an internal the patch relies on is missing or changed;
@@ -299,14 +499,16 @@ def apply(*, force: bool = False) -> bool:
             _force = force
             logger.info("fsdp_autocast_fix: force=%s", force)
             return True
-        states = internals.all_states()
-        for state in states:
-            _check_state(state)  # all checks before any change
+        states = [s for s in internals.all_states() if id(s) not in _covers]
+        found = [(state, _slots_of(state)) for state in states]  # all checks before any change
         _force = force
         if _init_wrapper is None:
             _init_wrapper = wrapt.wrap_function_wrapper(internals.fsdp_state_cls, "init", _init_wrapper_fn)
         _applied = True
-        retrofitted = sum(_cover_state(state, _GLOBAL) for state in states)
+        retrofitted = 0
+        for state, slots in found:
+            _covers[id(state)] = cover = _Cover(state, slots, _GLOBAL)
+            retrofitted += len(cover.modules)
     if internals.needs_cast_replay or force:
         logger.info("fsdp_autocast_fix applied (torch %s): cast and autocast replay; %d already-sharded "
                     "modules retrofitted", _compat.torch_version(), retrofitted)
@@ -354,8 +556,8 @@ def forced() -> bool:
 
 
 def covered_modules() -> int:
-    """How many sharded modules have the capture/replay hooks now."""
-    return len(_covers)
+    """How many sharded modules have the patch's hooks now."""
+    return sum(len(cover.modules) for cover in list(_covers.values()))
 
 
 def patched_fully_shard(*args: Any, **kwargs: Any) -> Any:
@@ -375,7 +577,6 @@ def patched_fully_shard(*args: Any, **kwargs: Any) -> Any:
         for module in modules:
             state = internals.state_of(module)
             if state is not None:
-                _check_state(state)
                 _cover_state(state, _LOCAL)
     return result
 

@@ -36,14 +36,30 @@ def _hook_count(module: nn.Module) -> tuple[int, int]:
 
 
 def _added_hooks() -> tuple[int, int]:
-    """What covering adds while no replay is in flight: the pre-hook, and the post-hook where it must stay."""
-    return 1, 0 if _compat.load().forward_hooks_snapshot else 1
+    """What covering adds while no replay is in flight: nothing (the patch takes the place of FSDP's pre-hook)."""
+    return 0, 0
+
+
+def _covered(module: nn.Module) -> bool:
+    """Whether the patch sits in the place of FSDP's pre-hook entry of ``module``."""
+    cover = _patch._covers.get(id(_compat.load().state_of(module)))
+    return cover is not None and any(m.slots.entry.get() is m.hook for m in cover.modules)
+
+
+def _fsdp_hooks(module: nn.Module) -> tuple[list[object], list[object]]:
+    return list(module._forward_pre_hooks.values()), list(module._forward_hooks.values())
+
+
+def _no_replays() -> bool:
+    return all(not m.replays for cover in list(_patch._covers.values()) for m in cover.modules)
 
 
 def test_apply_is_idempotent_and_remove_restores_stock() -> None:
     original = _state_cls().__dict__["init"]
     before = _sharded()
     stock_hooks = _hook_count(before)
+    stock_entries = _fsdp_hooks(before)
+    stock_keys = list(before._forward_pre_hooks)
     assert fsdp_autocast_fix.apply() is True
     assert fsdp_autocast_fix.apply() is False
     assert isinstance(_state_cls().__dict__["init"], wrapt.FunctionWrapper)
@@ -52,9 +68,13 @@ def test_apply_is_idempotent_and_remove_restores_stock() -> None:
     after = _sharded()
     added = _added_hooks()
     assert _hook_count(before) == _hook_count(after) == (stock_hooks[0] + added[0], stock_hooks[1] + added[1])
+    assert _covered(before) and _covered(after)
+    assert list(before._forward_pre_hooks) == stock_keys  # in FSDP's own place
     fsdp_autocast_fix.remove()
     assert _state_cls().__dict__["init"] is original
     assert _hook_count(before) == _hook_count(after) == stock_hooks
+    assert _fsdp_hooks(before) == stock_entries  # FSDP's own bound methods back in their places
+    assert not _covered(before) and not _covered(after)
     fsdp_autocast_fix.remove()  # no-op
     assert fsdp_autocast_fix.status().covered_modules == 0
 
@@ -206,7 +226,7 @@ def test_exception_in_recompute_leaves_autocast_as_it_was() -> None:
         out.float().sum().backward()
     assert _autocast_state() == before
     assert not torch.is_autocast_enabled("cpu")
-    assert all(not cover.replays for cover in _patch._covers.values())
+    assert _no_replays()
 
 
 def test_public_names_have_docstrings() -> None:
@@ -226,10 +246,10 @@ def test_post_hook_only_while_a_replay_is_in_flight() -> None:
     with torch.autocast("cpu", dtype=S.BF16):
         checkpoint_out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
     checkpoint_out.float().sum().backward()
-    if _compat.load().forward_hooks_snapshot and _compat.load().needs_cast_replay:
-        assert seen == [stock_post, stock_post + 1]  # the patch's post-hook only in the recompute
+    if _compat.load().forward_hooks_snapshot:
+        assert seen == [stock_post, stock_post + 1]  # the patch's exit hook only in the recompute
     assert len(layer._forward_hooks) == stock_post + (0 if _compat.load().forward_hooks_snapshot else 1)
-    assert not any(cover.replays for cover in _patch._covers.values())
+    assert _no_replays()
 
 
 def test_stale_post_hook_after_an_exception_is_dropped_on_the_next_call() -> None:
@@ -254,4 +274,7 @@ def test_post_hook_stays_where_module_call_is_not_recognised(monkeypatch: pytest
     result = S.run(S.SCENARIOS["float_first"], "patched_fully_shard")
     assert result.error is None and result.same_as(reference)
     layer = _sharded(patched=True)
-    assert _hook_count(layer)[1] == 2
+    x = torch.randn(4, S.DIM, requires_grad=True)
+    with torch.autocast("cpu", dtype=S.BF16):
+        torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).float().sum().backward()
+    assert _hook_count(layer)[1] == 2  # FSDP's and the patch's exit hook, which stays

@@ -61,8 +61,10 @@ def test_patched_fully_shard_shards_and_covers_or_fails_like_fully_shard() -> No
     layer = nn.Linear(4, 4)
     assert fsdp_autocast_fix.patched_fully_shard(layer) is layer
     assert fsdp_autocast_fix.status().covered_modules == 1
-    assert len(layer._forward_pre_hooks) == 2  # FSDP's and the patch's
-    assert len(layer._forward_hooks) == (1 if _compat.load().forward_hooks_snapshot else 2)
+    assert len(layer._forward_pre_hooks) == 1  # the patch in the place of FSDP's pre-hook
+    assert len(layer._forward_hooks) == 1
+    (entry,) = layer._forward_pre_hooks.values()
+    assert entry != _compat.load().state_of(layer)._pre_forward
 
 
 @pytest.mark.parametrize("fake", ["2.13.0.dev20260101", "2.12.1+cu130", "2.13.0+cpu", "2.4.0a0+git1234", "99.0"])
