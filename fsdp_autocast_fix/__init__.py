@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from . import _compat, _patch
 from ._checks import VALUE_CHECK, check_recompute, register_value_check
 from ._compat import UnsupportedTorchError
-from ._patch import apply, patched_fully_shard, remove
+from ._patch import apply, patched_fully_shard, preserve_autocast, remove
 
 __all__ = [
     "VALUE_CHECK",
@@ -31,6 +31,7 @@ __all__ = [
     "check_recompute",
     "patched",
     "patched_fully_shard",
+    "preserve_autocast",
     "register_value_check",
     "remove",
     "status",

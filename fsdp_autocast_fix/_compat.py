@@ -55,6 +55,7 @@ class Internals:
 
     fully_shard: Callable[..., Any]
     fsdp_state_cls: type
+    fsdp_module_cls: type  # FSDPModule, a base of every module fully_shard has sharded
     pre_backward: Any  # TrainingState.PRE_BACKWARD
     cast_fp_tensor: Callable[[torch.dtype, Any], Any]
     apply_to_tensors: Callable[[Callable[[Any], Any], Any], Any]
@@ -147,6 +148,7 @@ def load() -> Internals:
         "torch.is_autocast_cache_enabled": torch.is_autocast_cache_enabled,
         "torch._C._is_any_autocast_enabled": torch._C._is_any_autocast_enabled,
         "torch._C._current_graph_task_id": torch._C._current_graph_task_id,
+        "torch._C._current_autograd_node": torch._C._current_autograd_node,
     }
     for label, call in required.items():
         try:
@@ -188,6 +190,7 @@ def load() -> Internals:
     return Internals(
         fully_shard=fully_shard,
         fsdp_state_cls=state_cls,
+        fsdp_module_cls=_attr(package, "FSDPModule", "FSDPModule"),
         pre_backward=pre_backward,
         cast_fp_tensor=cast_fp_tensor,
         apply_to_tensors=apply_to_tensors,

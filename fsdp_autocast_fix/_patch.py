@@ -38,7 +38,7 @@ import logging
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import wrapt
@@ -54,6 +54,7 @@ _LOCAL = "patched_fully_shard"
 _Tensor = torch.Tensor
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
 _graph_task_id = torch._C._current_graph_task_id
+_current_node = torch._C._current_autograd_node
 _is_autocast_enabled = torch.is_autocast_enabled
 _get_autocast_dtype = torch.get_autocast_dtype
 _is_autocast_cache_enabled = torch.is_autocast_cache_enabled
@@ -157,8 +158,8 @@ class _Replay:
 class _Module:
     """The patch's hooks on one module of a covered state."""
 
-    __slots__ = ("cover", "key", "slots", "fsdp_entry", "hook", "grouped", "lead", "n_pre", "replays",
-                 "exit_handle", "last", "warned", "__weakref__")
+    __slots__ = ("cover", "key", "slots", "fsdp_entry", "hook", "grouped", "lead", "replays", "exit_handle",
+                 "last", "warned", "__weakref__")
 
     def __init__(self, cover: _Cover, module: torch.nn.Module, slots: _compat.HookSlots) -> None:
         self.cover = cover
@@ -167,7 +168,6 @@ class _Module:
         self.fsdp_entry = slots.entry.get()
         self.grouped = slots.pre is not slots.entry
         self.lead: Any = None  # handle of the lead pre-hook, while user pre-hooks run before FSDP's
-        self.n_pre = -1
         self.replays: list[_Replay] = []
         self.exit_handle: Any = None
         self.last: Any = None  # the state of the last recorded call, for the unidentified-recompute warning
@@ -179,9 +179,7 @@ class _Module:
     # -- the hot path ---------------------------------------------------------------------------------
 
     def entry(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """In the place of FSDP's pre-hook entry: record or replay, then FSDP's pre-hook."""
-        if self.n_pre != len(module._forward_pre_hooks):
-            self._place_lead(module)
+        """In the place of FSDP's pre-hook entry: record or replay (unless the lead did), then FSDP's pre-hook."""
         if self.lead is None:
             self.begin(module, args, kwargs)
         if self.grouped:  # the group closure calls the state's pre-hook (ours in its cell) when FSDP would
@@ -245,7 +243,12 @@ class _Module:
 
     def _choose(self, module: torch.nn.Module, calls: tuple[Any, ...] | None, now: Any) -> Any:
         """The recorded call to replay, or None to leave the state as the checkpoint set it."""
+        node = _current_node()  # the backward node whose execution runs this recompute
+        here = (_graph_task_id(), node._sequence_nr() if node is not None else None)
         if calls is None:
+            region = getattr(_tls, "region", None)
+            if region is not None and region[0] == here:  # a later sharded call of the region just replayed
+                return region[1][0], False
             if self.last is not None and self.last[0] != now and not self.warned:
                 self.warned = True
                 logger.warning(
@@ -254,6 +257,10 @@ class _Module:
                     "does not restore autocast, wrap it with fsdp_autocast_fix.preserve_autocast",
                     type(module).__name__)
             return None
+        _tls.region = (here, self._pick(module, calls, now))
+        return _tls.region[1]
+
+    def _pick(self, module: torch.nn.Module, calls: tuple[Any, ...], now: Any) -> Any:
         if len(calls) == 1:
             return calls[0]
         for call in calls:  # the same input under several states: the one the checkpoint restored, if any
@@ -332,19 +339,24 @@ class _Module:
     # -- placement ------------------------------------------------------------------------------------
 
     def _place_lead(self, module: torch.nn.Module) -> None:
-        """Keep the lead pre-hook first while other pre-hooks run before FSDP's; drop it otherwise."""
+        """Keep the lead pre-hook first while other pre-hooks run before FSDP's; drop it otherwise.
+
+        Called when the module is covered and whenever a pre-hook is registered with ``prepend=True`` on a
+        covered module (see :func:`_register_forward_pre_hook`).
+        """
         hooks = module._forward_pre_hooks
-        ours = {self.slots.entry.key} | ({self.lead.id} if self.lead is not None else set())  # type: ignore[attr-defined]
-        before = list(itertools.takewhile(lambda k: k != self.slots.entry.key, hooks))  # type: ignore[attr-defined]
-        if any(k not in ours for k in before):
+        entry_key = self.slots.entry.key  # type: ignore[attr-defined]
+        lead_key = self.lead.id if self.lead is not None else None
+        before = list(itertools.takewhile(lambda k: k != entry_key, hooks))
+        if any(k != lead_key for k in before):
             if self.lead is None:
-                self.lead = module.register_forward_pre_hook(_eager(self.lead_hook), prepend=True, with_kwargs=True)
-            elif next(iter(hooks)) != self.lead.id:
-                hooks.move_to_end(self.lead.id, last=False)
+                self.lead = _nn_register_forward_pre_hook(module, _eager(self.lead_hook), prepend=True,
+                                                          with_kwargs=True)
+            elif next(iter(hooks)) != lead_key:
+                hooks.move_to_end(lead_key, last=False)
         elif self.lead is not None:
             self.lead.remove()
             self.lead = None
-        self.n_pre = len(hooks)
 
     def remove(self) -> None:
         """Put FSDP's entry back and take the patch's hooks off the module."""
@@ -438,6 +450,35 @@ class _Cover:
             self.pre_slot.set(self.fsdp_pre)
 
 
+@functools.wraps(torch.nn.Module.register_forward_pre_hook)
+def _register_forward_pre_hook(self: torch.nn.Module, hook: Any, *args: Any, **kwargs: Any) -> Any:
+    # Installed on FSDPModule while modules are covered: a pre-hook registered with prepend=True runs
+    # before FSDP's, so the patch's lead pre-hook must be placed before it, before the next call.
+    handle = _nn_register_forward_pre_hook(self, hook, *args, **kwargs)
+    if kwargs.get("prepend"):
+        cover = _covers.get(id(_internals().state_of(self)))
+        for module_cover in cover.modules if cover is not None else ():
+            if module_cover.slots.entry.hooks is self._forward_pre_hooks:  # type: ignore[attr-defined]
+                module_cover._place_lead(self)
+    return handle
+
+
+def _nn_register_forward_pre_hook(module: torch.nn.Module, hook: Any, *args: Any, **kwargs: Any) -> Any:
+    """The module's own ``register_forward_pre_hook`` (its class's, or ``nn.Module``'s), not the patch's."""
+    return super(_internals().fsdp_module_cls, module).register_forward_pre_hook(hook, *args, **kwargs)
+
+
+def _intercept_pre_hook_registration(on: bool) -> None:
+    cls = _internals().fsdp_module_cls
+    installed = cls.__dict__.get("register_forward_pre_hook") is _register_forward_pre_hook
+    if on and not installed:
+        if "register_forward_pre_hook" in cls.__dict__:
+            raise _compat.UnsupportedTorchError("FSDPModule.register_forward_pre_hook", "defined by torch")
+        cls.register_forward_pre_hook = _register_forward_pre_hook  # type: ignore[attr-defined]
+    elif not on and installed:
+        del cls.register_forward_pre_hook  # type: ignore[attr-defined]
+
+
 def _cast(dtype: torch.dtype, tree: Any) -> Any:
     internals = _internals()
     return internals.apply_to_tensors(functools.partial(internals.cast_fp_tensor, dtype), tree)
@@ -464,7 +505,9 @@ def _cover_state(state: Any, owner: str) -> int:
         if owner == _LOCAL:
             cover.owner = _LOCAL  # patched_fully_shard's cover outlives remove()
         return 0
-    cover = _Cover(state, _slots_of(state), owner)
+    slots = _slots_of(state)
+    _intercept_pre_hook_registration(True)
+    cover = _Cover(state, slots, owner)
     _covers[id(state)] = cover
     return len(cover.modules)
 
@@ -505,6 +548,7 @@ def apply(*, force: bool = False) -> bool:
         if _init_wrapper is None:
             _init_wrapper = wrapt.wrap_function_wrapper(internals.fsdp_state_cls, "init", _init_wrapper_fn)
         _applied = True
+        _intercept_pre_hook_registration(True)
         retrofitted = 0
         for state, slots in found:
             _covers[id(state)] = cover = _Cover(state, slots, _GLOBAL)
@@ -542,6 +586,8 @@ def remove() -> None:
             if cover.owner == _GLOBAL:
                 cover.remove()
                 del _covers[key]
+        if not _covers:
+            _intercept_pre_hook_registration(False)
     logger.info("fsdp_autocast_fix removed")
 
 
@@ -558,6 +604,48 @@ def forced() -> bool:
 def covered_modules() -> int:
     """How many sharded modules have the patch's hooks now."""
     return sum(len(cover.modules) for cover in list(_covers.values()))
+
+
+def preserve_autocast(checkpoint_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``checkpoint_fn`` made to run the checkpointed function under the autocast state of its call site.
+
+    For any checkpoint called as ``checkpoint_fn(function, *args, **kwargs)``: torch's
+    ``torch.utils.checkpoint.checkpoint`` (either mode), DeepSpeed's ``checkpoint`` and
+    ``non_reentrant_checkpoint``, or a hand-written ``autograd.Function``. The result has the same
+    signature, arguments, return value and errors; ``function`` then runs under the autocast state
+    (per device type, and the cache flag) that was current when the checkpoint was called, in the
+    forward and in the recompute, and a recompute drops autocast's cached casts first (a cast cached by
+    the forward, made without gradients, would cut the recompute off from the parameters).
+
+    This is what :func:`apply` cannot do for a checkpoint whose region does not start at a sharded
+    module's call (a sharded block whose ``forward`` checkpoints part of itself): nothing sharded is
+    called again at the start of its recompute.
+
+    Raises:
+        TypeError: ``checkpoint_fn`` is not callable (or, when called, ``function`` is not).
+    """
+    if not callable(checkpoint_fn):
+        raise TypeError(f"preserve_autocast expects a checkpoint function, got {type(checkpoint_fn).__name__}")
+    device_types = _compat.autocast_device_types()
+
+    @functools.wraps(checkpoint_fn)
+    def checkpoint_with_autocast(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not callable(function):
+            raise TypeError(f"the checkpointed function must be callable, got {type(function).__name__}")
+        call_site = _capture(device_types)
+
+        @functools.wraps(function)
+        def run(*run_args: Any, **run_kwargs: Any) -> Any:
+            if _graph_task_id() != -1:  # the recompute, inside backward
+                _clear_autocast_cache()
+            if _capture(device_types) == call_site:
+                return function(*run_args, **run_kwargs)
+            with _enter(call_site, device_types):
+                return function(*run_args, **run_kwargs)
+
+        return checkpoint_fn(run, *args, **kwargs)
+
+    return checkpoint_with_autocast
 
 
 def patched_fully_shard(*args: Any, **kwargs: Any) -> Any:
