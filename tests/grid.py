@@ -1,0 +1,582 @@
+"""The scenario space, generated from its dimensions, each cell compared bitwise to a ground truth.
+
+A cell is one value per dimension (:data:`DIMENSIONS`):
+
+* ``frontend``: how the recompute happens: ``none`` (no checkpoint), torch's non-reentrant and reentrant
+  ``checkpoint``, ``checkpoint_wrapper`` (outside ``fully_shard``), the composable ``checkpoint``, selective
+  activation checkpointing, three hand-written ``autograd.Function`` checkpoints (one restores autocast,
+  one does not, one recomputes with autocast disabled) and, where installed, DeepSpeed's two;
+* ``precision``: ``MixedPrecisionPolicy`` with bf16 parameters, fp32 parameters (autocast does the casting),
+  bf16 parameters with ``output_dtype`` fp32, and bf16 parameters with ``cast_forward_inputs=False``;
+* ``autocast``: CPU autocast bf16, fp16, off, or bf16 with its cast cache off;
+* ``backward``: inside the forward's autocast state or outside any;
+* ``history``: what runs between or around a forward and its recompute: nothing; an eval ``no_grad``
+  forward (no autocast) before the step; one inside the step's autocast region before its forward; one
+  between forward and backward; two micro-batches each in its own autocast region, both forwards first,
+  an eval forward between their backwards; two steps with an eval forward between them;
+  ``backward(retain_graph=True)``, an eval forward, a second backward; two forwards under different
+  autocast states before one backward; two forwards in one autocast region, then two backwards;
+* ``hooks``: user hooks on every sharded module: forward pre-hook registered before / after sharding /
+  after sharding with ``prepend=True``, forward hook before / after sharding, or one after sharding that
+  returns a bf16 tensor;
+* ``topology``: a sharded root module checkpointed whole; sharded layers in a sharded root, one checkpoint
+  per layer; root -> layer -> sub-layer, one checkpoint per layer; ``fully_shard([a, b])`` in a sharded
+  root, one checkpoint around the pair.
+
+Each cell runs in a mode: ``stock`` (the positive control), ``apply`` (before sharding), ``late_apply``
+(after sharding and after the hooks), ``patched_fully_shard``. The ground truth (:func:`truth`) is the same
+cell without checkpoint, stock, with autocast's cast cache off (pytorch issue 158232 makes a cached cast lose
+parameter gradients on FSDP2; the cache changes no value), itself checked against the unsharded model and
+FSDP1 (``tests/test_grid.py``). Every patched mode must equal it bitwise; what stock does is recorded.
+
+Needs a process group (world size 1); everything runs on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import astuple, dataclass, fields
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import fsdp_autocast_fix
+from fsdp_autocast_fix import _compat
+
+DIM = 16
+BF16 = torch.bfloat16
+MODES = ("stock", "apply", "late_apply", "patched_fully_shard")
+PATCHED_MODES = MODES[1:]
+
+
+@functools.lru_cache(maxsize=None)
+def deepspeed_available() -> bool:
+    """Whether DeepSpeed's checkpoints can be used here (its CPU accelerator on a machine without CUDA)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed import checkpointing  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+FRONTENDS = ("none", "torch", "torch_reentrant", "wrapper", "composable", "selective",
+             "fn_restore", "fn_no_restore", "fn_disable", "deepspeed", "deepspeed_non_reentrant")
+#: Front ends whose recompute runs in a backward of its own (an autograd.Function's backward).
+REENTRANT = ("torch_reentrant", "fn_restore", "fn_no_restore", "fn_disable", "deepspeed")
+DIMENSIONS: dict[str, tuple[str, ...]] = {
+    "frontend": FRONTENDS,
+    "precision": ("bf16_params", "fp32_params", "output_fp32", "no_input_cast"),
+    "autocast": ("bf16", "fp16", "off", "bf16_no_cache"),
+    "backward": ("inside", "outside"),
+    "history": ("none", "eval_before", "eval_in_region", "eval_between", "micro_batches", "eval_between_steps",
+                "retain_graph", "mixed_states", "same_region"),
+    "hooks": ("none", "pre_before", "pre_after", "pre_after_prepend", "post_before", "post_after",
+              "post_after_bf16"),
+    "topology": ("root", "layers", "nested", "grouped"),
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the scenario space (see the module docstring)."""
+
+    frontend: str
+    precision: str
+    autocast: str
+    backward: str
+    history: str
+    hooks: str
+    topology: str
+
+    @property
+    def name(self) -> str:
+        return "-".join(astuple(self))
+
+    def valid(self) -> bool:
+        """Cells that are not duplicates or impossible by construction."""
+        if self.autocast == "off" and self.backward == "inside":
+            return False  # the same as outside
+        if self.precision == "no_input_cast" and self.autocast == "off":
+            return False  # fp32 inputs into bf16 parameters: fails without any checkpoint
+        if self.history == "mixed_states" and self.frontend in REENTRANT and (
+                self.precision != "fp32_params" or self.topology != "root"):
+            return False  # torch: each reentrant recompute runs a backward of its own, so the gradients of
+            # a module called twice before one backward are summed in another order (and, with bf16
+            # parameters, reduced twice in bf16): not bitwise comparable, with or without autocast, stock
+            # or patched. Compared where they are: fp32 parameters, one sharded module.
+        if self.frontend in ("composable", "selective") and self.history == "retain_graph":
+            return False  # torch: neither recomputes twice (a spent context manager; "backward once" for SAC)
+        if self.frontend == "composable" and self.hooks == "pre_after_prepend":
+            return False  # torch: the composable checkpoint's region starts in its own pre-hook, after this
+            # hook in the forward, but its recompute runs the module call with every hook: never comparable
+        if (self.frontend == "selective" and self.hooks in ("post_after", "post_after_bf16")
+                and self.topology != "root" and not _compat.load().needs_cast_replay):
+            return False  # torch 2.13+: FSDP's output cast in the recompute opens a profiler range, which
+            # selective checkpointing counts as an op; with a forward hook after FSDP's on a module inside
+            # the region the counts differ ("invocation index ... not found in storage"), stock or patched
+        if self.frontend.startswith("deepspeed") and not deepspeed_available():
+            return False
+        return True
+
+
+#: Every case of issue 9, named, with what stock torch does in it: ``broken`` on every torch, ``buggy torch``
+#: only where torch skips FSDP's casts in the recompute (2.4-2.12), ``fine`` where stock is right and the
+#: patch must keep it so. Always part of :func:`sample`; tested by name in tests/test_regressions.py.
+NAMED: dict[str, tuple[Cell, str]] = {
+    # 1. The replay is per call, not per module.
+    "eval_pass_before_training_custom_checkpoint":
+        (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "eval_before", "none", "root"), "broken"),
+    "eval_pass_between_two_steps_custom_checkpoint":
+        (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "eval_between_steps", "none", "root"), "broken"),
+    "micro_batches_eval_between_backwards_torch_checkpoint":
+        (Cell("torch", "fp32_params", "bf16", "outside", "micro_batches", "none", "root"), "fine"),
+    "retain_graph_eval_then_second_backward_torch_checkpoint":
+        (Cell("torch", "fp32_params", "bf16", "outside", "retain_graph", "none", "root"), "fine"),
+    "several_autocast_states_before_one_backward_custom_checkpoint":
+        (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "mixed_states", "none", "root"), "broken"),
+    # 2. The casts sit at FSDP's place among the user's hooks (what each hook sees: test_hooks_see_...).
+    # A forward hook that saves tensors makes torch recompute before FSDP's pre-backward hook runs, so
+    # stock casts as in the forward: these cells are right stock, and the patch must keep them so.
+    "output_dtype_user_forward_hook_after_sharding":
+        (Cell("torch", "output_fp32", "bf16", "outside", "none", "post_after", "root"), "fine"),
+    "user_forward_hook_returning_bf16":
+        (Cell("torch", "output_fp32", "bf16", "outside", "none", "post_after_bf16", "root"), "fine"),
+    "user_pre_hook_after_sharding":
+        (Cell("torch", "bf16_params", "bf16", "outside", "none", "pre_after", "root"), "buggy torch"),
+    "user_pre_hook_prepended_after_sharding":
+        (Cell("torch", "bf16_params", "bf16", "outside", "none", "pre_after_prepend", "root"), "buggy torch"),
+    # 3. Autocast's weight-cast cache (pytorch issue 158232).
+    "reentrant_checkpoint_backward_inside_autocast":
+        (Cell("torch_reentrant", "fp32_params", "bf16", "inside", "none", "none", "root"), "broken"),
+    "custom_checkpoint_recomputing_with_autocast_disabled_in_open_region":
+        (Cell("fn_disable", "fp32_params", "bf16", "inside", "none", "none", "root"), "broken"),
+    "eval_forward_in_autocast_region_then_training_no_checkpoint":
+        (Cell("none", "fp32_params", "bf16", "inside", "eval_in_region", "none", "root"), "broken"),
+    "two_forwards_in_one_autocast_region_then_two_backwards":
+        (Cell("none", "fp32_params", "bf16", "inside", "same_region", "none", "root"), "broken"),
+}
+if deepspeed_available():
+    NAMED.update({
+        "eval_pass_before_training_deepspeed_checkpoint":
+            (Cell("deepspeed", "fp32_params", "bf16", "outside", "eval_before", "none", "root"), "broken"),
+        "deepspeed_checkpoint_backward_inside_autocast":
+            (Cell("deepspeed", "fp32_params", "bf16", "inside", "none", "none", "root"), "broken"),
+        "deepspeed_non_reentrant_checkpoint_backward_outside_autocast":
+            (Cell("deepspeed_non_reentrant", "fp32_params", "bf16", "outside", "none", "none", "root"), "broken"),
+    })
+
+
+def all_cells() -> list[Cell]:
+    """The whole product of :data:`DIMENSIONS`, valid cells only."""
+    cells = (Cell(*values) for values in itertools.product(*DIMENSIONS.values()))
+    return [c for c in cells if c.valid()]
+
+
+def sample(n: int, seed: int = 0) -> list[Cell]:
+    """``n`` cells: the named ones, then every value of every dimension at least once, then drawn with ``seed``."""
+    cells = all_cells()
+    rng = random.Random(seed)
+    rng.shuffle(cells)
+    chosen: list[Cell] = [cell for cell, _ in NAMED.values()]
+    for f in fields(Cell):  # cover each value first
+        for value in DIMENSIONS[f.name]:
+            if not any(getattr(c, f.name) == value for c in chosen):
+                match = next((c for c in cells if getattr(c, f.name) == value and c not in chosen), None)
+                if match is not None:
+                    chosen.append(match)
+    chosen += [c for c in cells if c not in chosen][: max(0, n - len(chosen))]
+    return chosen
+
+
+# -- modules ------------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """``gelu``, ``log_softmax``, a linear layer: its recompute notices a lost input cast (gelu in another
+    dtype), lost autocast (log_softmax runs in fp32 under autocast, the linear layer in the low precision) and
+    a lost output cast (the linear layer's output is low precision)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(F.log_softmax(F.gelu(x), dim=-1).to(self.lin.weight.dtype))
+
+
+class Outer(nn.Module):
+    """A layer holding a sharded sub-layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub = Block()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.sub(F.gelu(x)).to(self.lin.weight.dtype))
+
+
+class Stack(nn.Module):
+    """Runs its units in order, each through :attr:`run` (the checkpoint front end)."""
+
+    def __init__(self, units: list[nn.Module]) -> None:
+        super().__init__()
+        self.units = nn.ModuleList(units)
+        self.run: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda unit, x: unit(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit in self.units:
+            x = self.run(unit, x)
+        return x
+
+
+def _build(topology: str) -> nn.Module:
+    if topology == "root":
+        return Block()
+    if topology == "layers":
+        return Stack([Block(), Block()])
+    if topology == "nested":
+        return Stack([Outer(), Outer()])
+    return Stack([nn.Sequential(Block(), Block())])  # grouped: fully_shard([a, b]) around the pair
+
+
+def _policy(precision: str) -> dict[str, Any]:
+    return {
+        "bf16_params": {"param_dtype": BF16},
+        "fp32_params": {},
+        "output_fp32": {"param_dtype": BF16, "output_dtype": torch.float32},
+        "no_input_cast": {"param_dtype": BF16, "cast_forward_inputs": False},
+    }[precision]
+
+
+def _shard(model: nn.Module, topology: str, fully_shard: Callable[..., Any], policy: Any) -> list[nn.Module]:
+    """Shard as the topology says; return the sharded modules (hooks go on each)."""
+    if topology == "root":
+        fully_shard(model, mp_policy=policy)
+        return [model]
+    sharded: list[nn.Module] = []
+    for unit in model.units:
+        if topology == "nested":
+            fully_shard(unit.sub, mp_policy=policy)
+            fully_shard(unit, mp_policy=policy)
+            sharded += [unit.sub, unit]
+        elif topology == "grouped":
+            fully_shard(list(unit), mp_policy=policy)
+            sharded += list(unit)
+        else:
+            fully_shard(unit, mp_policy=policy)
+            sharded.append(unit)
+    fully_shard(model, mp_policy=policy)
+    return sharded + [model]
+
+
+# -- checkpoint front ends ----------------------------------------------------------------------------
+
+
+class _FunctionCheckpoint(torch.autograd.Function):
+    """A hand-written reentrant-style checkpoint; ``mode`` says what the recompute's autocast state is."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[[torch.Tensor], torch.Tensor], mode: str, x: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.mode = fn, mode
+        ctx.autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                        torch.is_autocast_cache_enabled())
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(x.requires_grad)
+        enabled, dtype, cache = ctx.autocast
+        if ctx.mode == "restore":
+            context: Any = torch.autocast("cpu", dtype=dtype, enabled=enabled, cache_enabled=cache)
+        elif ctx.mode == "disable":
+            context = torch.autocast("cpu", enabled=False)
+        else:  # "no_restore": whatever the backward runs under
+            context = contextlib.nullcontext()
+        with torch.enable_grad(), context:
+            out = ctx.fn(x)
+        torch.autograd.backward(out, grad)
+        return None, None, x.grad
+
+
+def _selective(fn: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    return checkpoint(fn, x, use_reentrant=False, context_fn=context_fn)
+
+
+def _deepspeed(non_reentrant: bool) -> Callable[[Callable[..., Any], torch.Tensor], torch.Tensor]:
+    from deepspeed import checkpointing as ds
+
+    return ds.non_reentrant_checkpoint if non_reentrant else ds.checkpoint
+
+
+def frontend_fn(frontend: str) -> Callable[[Callable[..., Any], torch.Tensor], torch.Tensor]:
+    """``run(fn, x)`` for a front end that wraps a call; a plain call for the module-level ones."""
+    if frontend in ("none", "wrapper", "composable"):
+        return lambda fn, x: fn(x)
+    if frontend == "torch":
+        return lambda fn, x: checkpoint(fn, x, use_reentrant=False)
+    if frontend == "torch_reentrant":
+        return lambda fn, x: checkpoint(fn, x, use_reentrant=True)
+    if frontend == "selective":
+        return _selective
+    if frontend.startswith("fn_"):
+        mode = frontend[3:]
+        return lambda fn, x: _FunctionCheckpoint.apply(fn, mode, x)
+    if frontend.startswith("deepspeed"):
+        return _deepspeed(frontend.endswith("non_reentrant"))
+    raise ValueError(frontend)
+
+
+def _wrap_units(model: nn.Module, topology: str, frontend: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Set up the front end on the model; return the call that runs one step's forward."""
+    run = frontend_fn(frontend)
+    if frontend == "wrapper":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        if topology == "root":
+            wrapped = checkpoint_wrapper(model)
+            return lambda x: wrapped(x)
+        views = {id(u): checkpoint_wrapper(u) for u in model.units}  # views, not submodules: sharded after
+        model.run = lambda unit, x: views[id(unit)](x)
+        return model
+    if topology == "root":
+        return lambda x: run(model, x)
+    model.run = run
+    return model
+
+
+def _composable(model: nn.Module, topology: str) -> None:
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+
+    for unit in ([model] if topology == "root" else list(model.units)):
+        composable_checkpoint(unit)
+
+
+# -- hooks --------------------------------------------------------------------------------------------
+
+
+def _mix(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A change that depends on ``t``'s dtype (tanh keeps it) and on autocast (a matmul), as a real hook's might."""
+    product = t @ (weight if torch.is_autocast_enabled("cpu") else weight.to(t.dtype))
+    return t + 0.25 * torch.tanh(t) * product
+
+
+def _register_hooks(modules: list[nn.Module], hooks: str, weight: torch.Tensor) -> None:
+    for module in modules:
+        if hooks.startswith("pre"):
+            module.register_forward_pre_hook(lambda m, args: (_mix(args[0], weight),) + tuple(args[1:]),
+                                             prepend=hooks.endswith("prepend"))
+        elif hooks == "post_after_bf16":
+            module.register_forward_hook(lambda m, args, out: _mix(out, weight).to(BF16))
+        elif hooks.startswith("post"):
+            module.register_forward_hook(lambda m, args, out: _mix(out, weight))
+
+
+# -- steps --------------------------------------------------------------------------------------------
+
+
+def _autocast(autocast: str, cache: bool = True) -> Any:
+    """The cell's autocast context; ``cache=False`` turns its cast cache off (the ground truth)."""
+    if autocast == "off":
+        return torch.autocast("cpu", enabled=False)
+    dtype = torch.float16 if autocast == "fp16" else BF16
+    return torch.autocast("cpu", dtype=dtype, cache_enabled=cache and autocast != "bf16_no_cache")
+
+
+def _other_autocast(autocast: str, cache: bool) -> Any:
+    """Another autocast state than the cell's (for ``mixed_states``)."""
+    return _autocast("off" if autocast != "off" else "bf16", cache)
+
+
+def _step(cell: Cell, forward: Callable[[torch.Tensor], torch.Tensor], model: nn.Module,
+          inputs: list[torch.Tensor], cache: bool) -> None:
+    """Run the cell's history around its training step(s): forwards through the checkpoint, backwards, evals.
+
+    ``backward == "inside"`` runs each backward in the autocast region of its forward where the history
+    keeps that region open, else in a fresh region with the same state.
+    """
+    ac = functools.partial(_autocast, cell.autocast, cache)
+    inside = cell.backward == "inside"
+    x, x2, x_eval = inputs
+
+    def eval_forward(autocast: bool = False) -> None:
+        run = getattr(model, "run", None)
+        try:
+            if run is not None:
+                model.run = lambda unit, h: unit(h)  # an eval pass: the model's own calls, no checkpoint
+            with torch.no_grad(), contextlib.nullcontext() if autocast else torch.autocast("cpu", enabled=False):
+                model(x_eval)
+        finally:
+            if run is not None:
+                model.run = run
+
+    def backward(out: torch.Tensor, fresh_region: bool = True, **kwargs: Any) -> None:
+        with ac() if inside and fresh_region else contextlib.nullcontext():
+            out.float().pow(2).sum().backward(**kwargs)
+
+    history = cell.history
+    if history == "eval_before":
+        eval_forward()
+    if history in ("micro_batches", "mixed_states"):
+        with ac():
+            out = forward(x)
+        with ac() if history == "micro_batches" else _other_autocast(cell.autocast, cache):
+            out2 = forward(x2)
+        if history == "mixed_states":
+            backward(out.float() + out2.float())
+        else:
+            backward(out)
+            eval_forward()
+            backward(out2)
+        return
+    with ac():
+        if history == "eval_in_region":
+            eval_forward(autocast=True)
+        out = forward(x)
+        if history == "same_region":
+            out2 = forward(x2)
+        if inside:
+            if history == "eval_between":
+                eval_forward()
+            backward(out, fresh_region=False, retain_graph=history == "retain_graph")
+            if history == "same_region":
+                backward(out2, fresh_region=False)
+    if not inside:
+        if history == "eval_between":
+            eval_forward()
+        backward(out, retain_graph=history == "retain_graph")
+        if history == "same_region":
+            backward(out2)
+    if history == "retain_graph":
+        eval_forward()
+        backward(out)
+    if history == "eval_between_steps":
+        eval_forward()
+        with ac():
+            out2 = forward(x2)
+            if inside:
+                backward(out2, fresh_region=False)
+        if not inside:
+            backward(out2)
+
+
+# -- running ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    """Gradients of one run: each input's, then each parameter's (full tensors), or the error raised."""
+
+    grads: list[torch.Tensor | None] | None = None
+    error: BaseException | None = None
+
+    def same_as(self, other: Result) -> bool:
+        """Bitwise equality of every gradient, dtypes included; a missing gradient equals only a missing one."""
+        if self.grads is None or other.grads is None or len(self.grads) != len(other.grads):
+            return False
+        return all((a is None and b is None) or (a is not None and b is not None and a.dtype == b.dtype
+                                                   and torch.equal(a, b)) for a, b in zip(self.grads, other.grads))
+
+    def verdict(self, truth: Result) -> str:
+        """``bitwise``, ``wrong gradients`` or ``fails (<error>)``."""
+        if self.error is not None:
+            return f"fails ({type(self.error).__name__})"
+        return "bitwise" if self.same_as(truth) else "wrong gradients"
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _inputs(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed + 1)
+    return [torch.randn(4, DIM, generator=gen, requires_grad=i < 2) for i in range(3)]
+
+
+@contextlib.contextmanager
+def _mode(mode: str) -> Iterator[Callable[..., Any]]:
+    """The ``fully_shard`` to use in ``mode``, with ``apply()`` in force where the mode says, removed after."""
+    fully_shard = _compat.fsdp_package().fully_shard
+    try:
+        if mode == "apply":
+            fsdp_autocast_fix.apply()
+        yield fsdp_autocast_fix.patched_fully_shard if mode == "patched_fully_shard" else fully_shard
+    finally:
+        fsdp_autocast_fix.remove()
+
+
+def run(cell: Cell, mode: str, *, cache: bool = True, sharding: str = "fsdp2", seed: int = 0) -> Result:
+    """One run of ``cell`` in ``mode``; ``sharding`` ``fsdp1`` / ``none`` for the truth's own checks."""
+    torch.manual_seed(seed)
+    model = _build(cell.topology)
+    weight = torch.randn(DIM, DIM, generator=torch.Generator().manual_seed(seed + 7)) / DIM
+    inputs = _inputs(seed)
+    policy_cls = _compat.fsdp_package().MixedPrecisionPolicy
+    with _mode(mode) as fully_shard:
+        if cell.frontend == "composable":
+            _composable(model, cell.topology)
+        if cell.hooks.endswith("before"):
+            _register_hooks(_hookable(model, cell.topology), cell.hooks, weight)
+        outer = model
+        if sharding == "fsdp2":
+            sharded = _shard(model, cell.topology, fully_shard, policy_cls(**_policy(cell.precision)))
+        else:
+            sharded = _hookable(model, cell.topology)
+            if sharding == "fsdp1":
+                outer = _fsdp1(model, cell.topology)
+        if not cell.hooks.endswith("before") and cell.hooks != "none":
+            _register_hooks(sharded, cell.hooks, weight)
+        if mode == "late_apply":
+            fsdp_autocast_fix.apply()
+        forward = _wrap_units(model, cell.topology, cell.frontend)
+        if outer is not model:
+            forward = outer
+        try:
+            _step(cell, forward, model, inputs, cache)
+        except Exception as e:  # the positive control's failure, or a patched mode's
+            return Result(error=e)
+    return Result(grads=[_full(x.grad) for x in inputs[:2]] + [_full(p.grad) for p in model.parameters()])
+
+
+def _hookable(model: nn.Module, topology: str) -> list[nn.Module]:
+    """The modules that get (or would get) FSDP state, in sharding order: where user hooks go."""
+    if topology == "root":
+        return [model]
+    modules: list[nn.Module] = []
+    for unit in model.units:
+        modules += [unit.sub, unit] if topology == "nested" else list(unit) if topology == "grouped" else [unit]
+    return modules + [model]
+
+
+def _fsdp1(model: nn.Module, topology: str) -> nn.Module:
+    """FSDP1 (``FullyShardedDataParallel``) around each unit and the root, fp32 parameters: a second reference."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if topology != "root":
+        for i, unit in enumerate(model.units):
+            model.units[i] = FSDP(unit, device_id=torch.device("cpu"), use_orig_params=True)
+    return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+
+
+def truth(cell: Cell) -> Result:
+    """The ground truth for ``cell``: no checkpoint, stock, autocast's cast cache off."""
+    return run(dataclasses.replace(cell, frontend="none"), "stock", cache=False)

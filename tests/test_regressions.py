@@ -1,0 +1,187 @@
+"""Every case of issue 9 as a named test: its positive control on stock torch, bitwise equality patched.
+
+The cases are cells of the generated space (tests/grid.py) with what stock torch must do in them stated
+here: ``"broken"`` on every torch, ``"buggy torch"`` only where torch skips FSDP's casts in the recompute
+(2.4-2.12), ``"fine"`` where stock is right and the patch must not change it. The checkpoint inside a
+sharded module's forward (family 4) needs :func:`fsdp_autocast_fix.preserve_autocast` and is tested at the
+end, also with DeepSpeed's checkpoints where DeepSpeed is installed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import grid as G
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import fsdp_autocast_fix
+from fsdp_autocast_fix import _compat
+
+pytestmark = pytest.mark.usefixtures("pg")
+
+CASES = G.NAMED
+
+
+def _stock_broken(expected: str) -> bool:
+    return expected == "broken" or (expected == "buggy torch" and _compat.load().needs_cast_replay)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_case(name: str) -> None:
+    cell, expected = CASES[name]
+    truth = G.truth(cell)
+    assert truth.error is None, repr(truth.error)
+    stock = G.run(cell, "stock")
+    if _stock_broken(expected):
+        assert stock.verdict(truth) != "bitwise", f"positive control: stock torch {torch.__version__} matched"
+    else:
+        assert stock.verdict(truth) == "bitwise", stock.verdict(truth)
+    for mode in G.PATCHED_MODES:
+        assert G.run(cell, mode).verdict(truth) == "bitwise", mode
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (c, _) in CASES.items() if c.precision == "fp32_params"))
+def test_ground_truth_equals_fsdp1_and_the_unsharded_model(name: str) -> None:
+    """With fp32 parameters the truth (FSDP2, no checkpoint, no cast cache) is FSDP1's and the plain model's."""
+    cell = CASES[name][0]
+    truth = G.truth(cell)
+    reference = G.dataclasses.replace(cell, frontend="none")
+    for sharding in ("none", "fsdp1"):
+        other = G.run(reference, "stock", cache=False, sharding=sharding)
+        assert other.verdict(truth) == "bitwise", sharding
+
+
+HOOK_PLACES = ("pre_before", "pre_after", "pre_after_prepend", "post_before", "post_after")
+
+
+def _what_hooks_see(place: str, mode: str) -> dict[str, list[torch.dtype]]:
+    """The dtype an observing user hook gets, in the forward and in the recompute (apply after the hook)."""
+    policy_cls = _compat.fsdp_package().MixedPrecisionPolicy
+    seen: dict[str, list[torch.dtype]] = {"forward": [], "recompute": []}
+
+    def observe(t: torch.Tensor) -> None:
+        seen["forward" if torch._C._current_graph_task_id() == -1 else "recompute"].append(t.dtype)
+
+    def register(module: nn.Module) -> None:
+        if place.startswith("pre"):
+            module.register_forward_pre_hook(lambda m, args: observe(args[0]), prepend=place.endswith("prepend"))
+        else:
+            module.register_forward_hook(lambda m, args, out: observe(out))
+
+    torch.manual_seed(0)
+    block = G.Block()
+    if place.endswith("before"):
+        register(block)
+    (fsdp_autocast_fix.patched_fully_shard if mode == "patched_fully_shard" else
+     _compat.fsdp_package().fully_shard)(block, mp_policy=policy_cls(param_dtype=G.BF16, output_dtype=torch.float32))
+    if not place.endswith("before"):
+        register(block)
+    if mode == "late_apply":
+        fsdp_autocast_fix.apply()
+    x = torch.randn(4, G.DIM, requires_grad=True)
+    try:
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False), torch.autocast("cpu", dtype=G.BF16):
+            checkpoint(block, x, use_reentrant=False).float().sum().backward()
+    except torch.utils.checkpoint.CheckpointError:
+        if mode != "stock":  # stock may notice the lost cast, after the whole recompute (early stop off)
+            raise
+    finally:
+        fsdp_autocast_fix.remove()
+    return seen
+
+
+@pytest.mark.parametrize("place", HOOK_PLACES)
+def test_hooks_see_in_the_recompute_what_they_saw_in_the_forward(place: str) -> None:
+    """Before FSDP's pre-hook: the inputs as passed; after it: cast; after FSDP's forward hook: cast output."""
+    stock = _what_hooks_see(place, "stock")
+    assert len(stock["forward"]) == len(stock["recompute"]) == 1
+    changed_by_fsdp_cast = place in ("pre_before", "pre_after", "post_after")  # FSDP prepends its pre-hook
+    if _compat.load().needs_cast_replay and changed_by_fsdp_cast:
+        assert stock["recompute"] != stock["forward"], "positive control"
+    for mode in ("late_apply", "patched_fully_shard"):
+        seen = _what_hooks_see(place, mode)
+        assert seen["recompute"] == seen["forward"] == stock["forward"], mode
+
+
+# -- family 4: a checkpoint inside a sharded module's forward ----------------------------------------
+
+
+class SelfCheckpointing(nn.Module):
+    """A block sharded whole whose forward checkpoints its body: no sharded call starts the recompute."""
+
+    def __init__(self, checkpoint_fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.body = G.Block()
+        self.checkpoint_fn = checkpoint_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.checkpoint_fn(self.body, x)
+
+
+def _no_restore(function: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+    return G._FunctionCheckpoint.apply(function, "no_restore", x)
+
+
+CHECKPOINTS: dict[str, Callable[..., Any]] = {"function_not_restoring_autocast": _no_restore}
+if G.deepspeed_available():
+    CHECKPOINTS.update({"deepspeed": G._deepspeed(False), "deepspeed_non_reentrant": G._deepspeed(True)})
+
+
+def _self_checkpointing(checkpoint_fn: Callable[..., Any] | None, patch: str) -> G.Result:
+    policy_cls = _compat.fsdp_package().MixedPrecisionPolicy
+    torch.manual_seed(0)
+    model = SelfCheckpointing(checkpoint_fn or (lambda function, x: function(x)))
+    (fsdp_autocast_fix.patched_fully_shard if patch == "patched_fully_shard" else
+     _compat.fsdp_package().fully_shard)(model, mp_policy=policy_cls())
+    x = torch.randn(4, G.DIM, requires_grad=True)
+    try:
+        if patch == "apply":
+            fsdp_autocast_fix.apply()
+        with torch.autocast("cpu", dtype=G.BF16):
+            out = model(x)
+        out.float().sum().backward()
+    except Exception as e:
+        return G.Result(error=e)
+    finally:
+        fsdp_autocast_fix.remove()
+    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_checkpoint_inside_a_sharded_forward_needs_preserve_autocast(name: str) -> None:
+    truth = _self_checkpointing(None, "none")
+    assert truth.error is None
+    checkpoint_fn = CHECKPOINTS[name]
+    assert _self_checkpointing(checkpoint_fn, "none").verdict(truth) != "bitwise"  # positive control
+    assert _self_checkpointing(checkpoint_fn, "apply").verdict(truth) != "bitwise"  # apply() cannot see it
+    fixed = fsdp_autocast_fix.preserve_autocast(checkpoint_fn)
+    for patch in ("none", "apply", "patched_fully_shard"):
+        assert _self_checkpointing(fixed, patch).verdict(truth) == "bitwise", patch
+
+
+def test_preserve_autocast_keeps_torchs_checkpoint_exact_and_unchanged() -> None:
+    """torch's checkpoint restores autocast itself: wrapped or not, the same bits as without checkpoint."""
+    truth = _self_checkpointing(None, "none")
+    torch_checkpoint = lambda function, x: checkpoint(function, x, use_reentrant=False)  # noqa: E731
+    assert _self_checkpointing(torch_checkpoint, "none").verdict(truth) == "bitwise"
+    fixed = fsdp_autocast_fix.preserve_autocast(checkpoint)
+    assert _self_checkpointing(lambda f, x: fixed(f, x, use_reentrant=False), "none").verdict(truth) == "bitwise"
+    assert _self_checkpointing(lambda f, x: fixed(f, x, use_reentrant=True), "none").verdict(truth) == "bitwise"
+
+
+def test_preserve_autocast_same_signature_behaviour_and_errors() -> None:
+    fixed = fsdp_autocast_fix.preserve_autocast(checkpoint)
+    assert fixed.__name__ == checkpoint.__name__ and fixed.__doc__ == checkpoint.__doc__
+    assert inspect.signature(fixed) == inspect.signature(checkpoint)
+    x = torch.randn(3, requires_grad=True)
+    assert torch.equal(fixed(torch.sin, x, use_reentrant=False), torch.sin(x))
+    with pytest.raises(TypeError):
+        fsdp_autocast_fix.preserve_autocast("not a function")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        fixed(42, x, use_reentrant=False)
+    with pytest.raises(ValueError, match="from the function"):
+        fixed(lambda t: (_ for _ in ()).throw(ValueError("from the function")), x, use_reentrant=False)
