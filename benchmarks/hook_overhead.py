@@ -3,14 +3,13 @@
 World size 1, gloo, CPU. Two identical sharded modules with a tiny forward, one stock, one covered
 (``patched_fully_shard``); batches of calls alternate A, B, A, B ... and the median ns per call of each is
 reported, with grad disabled and enabled. FSDP2's own hook time is the stock call minus the same module
-unsharded. The recompute path is timed on the patch's hook functions directly, with the state set to
-``PRE_BACKWARD`` and autocast to replay.
+unsharded. The patch's own work (the record of an ordinary call; the start and end of a replayed recompute,
+with the state set to ``PRE_BACKWARD`` and autocast to replay) is also timed on its methods directly.
 
 JSON keys: ``torch``, ``grad`` (``off``/``on``), ``unsharded_ns``, ``stock_ns``, ``patched_ns``,
 ``fsdp_hook_ns`` (stock - unsharded), ``added_ns`` (patched - stock), ``added_over_fsdp_hook`` (the
 target is <= 0.01), ``ratio`` (patched / stock); and for the paths measured on the hooks directly,
-``path``, ``ns_per_call``; for ``path`` ``marginal`` (the hooks as ``nn.Module.__call__`` runs
-them, measured on an identity module where nothing else varies): ``ns_per_call``, ``over_fsdp_hook``.
+``path`` (``ordinary``, ``ordinary-autocast``, ``recompute``), ``ns_per_call``, ``over_fsdp_hook``.
 
     python benchmarks/hook_overhead.py [--rounds 200] [--calls 200] [--json out.json] [--smoke]
 """
@@ -51,61 +50,36 @@ def _interleaved(modules: dict[str, nn.Module], x: torch.Tensor, rounds: int, ca
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def _hooks_directly(rounds: int, calls: int) -> list[dict[str, Any]]:
-    """The patch's own hook functions, on the ordinary path and on the recompute path.
+def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str, Any]]:
+    """The patch's own work per module call, called directly (FSDP's hooks not included).
 
-    On the ordinary path only the pre-hook is registered; the post-hook joins it during a replay."""
-    fsdp = _compat.fsdp_package()
-    module = nn.Linear(8, 8)
-    fsdp_autocast_fix.patched_fully_shard(module, mp_policy=fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    cover = next(iter(_patch._covers.values()))
+    ``ordinary``: what runs before FSDP's pre-hook on an ordinary forward (the record), autocast off and on;
+    ``recompute``: the start of a replayed recompute and its end (the exit hook), with the state in
+    ``PRE_BACKWARD`` and autocast to replay."""
+    cover = _patch._covers[id(_compat.load().state_of(module))]
+    module_cover = cover.modules[0]
     x = torch.randn(2, 8)
     args: tuple[Any, ...] = (x,)
     results = []
     for path in ("ordinary", "ordinary-autocast", "recompute"):
-        samples = []
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=path != "ordinary"):
-            module(x)  # capture this autocast state
+            module(x)  # record this call
         saved = cover.state._training_state
         if path == "recompute":
             cover.state._training_state = _compat.load().pre_backward
+        samples = []
         try:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=path == "ordinary-autocast"):
-                for _ in range(rounds):
-                    start = time.perf_counter_ns()
-                    for _ in range(calls):  # as nn.Module.__call__ would: the post-hook only while registered
-                        cover.pre_forward(module, args, {})
-                        if cover.post_handle is not None:
-                            cover.post_forward(module, args, x)
-                    samples.append((time.perf_counter_ns() - start) / calls)
+            for _ in range(rounds):
+                start = time.perf_counter_ns()
+                for _ in range(calls):
+                    module_cover.begin(module, args, {})
+                    if module_cover.replays:
+                        module_cover.exit(module, args, x)
+                samples.append((time.perf_counter_ns() - start) / calls)
         finally:
             cover.state._training_state = saved
         results.append({"torch": torch.__version__, "path": path, "ns_per_call": statistics.median(samples)})
     return results
-
-
-def _marginal(state: Any, rounds: int, calls: int) -> dict[str, Any]:
-    """The patch's hooks alone, as ``_call_impl`` runs them: an identity module with two no-op hooks in
-    FSDP's places, with and without the patch's hooks added. Low-noise, but it misses the cost that
-    comes from running amid FSDP's own work (caches), which the FSDP-level rows include."""
-    def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
-        return None
-
-    def post(module: nn.Module, args: Any, output: Any) -> None:
-        return None
-
-    modules = {}
-    for name in ("base", "patched"):
-        module = nn.Identity()
-        module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
-        module.register_forward_hook(post)
-        if name == "patched":
-            _patch._Cover(state, module, owner="benchmark")
-        modules[name] = module
-    x = torch.randn(2, 8)
-    _interleaved(modules, x, 2, calls)
-    m = _interleaved(modules, x, rounds, calls * 10)
-    return {"torch": torch.__version__, "path": "marginal", "ns_per_call": m["patched"] - m["base"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,14 +114,14 @@ def main(argv: list[str] | None = None) -> int:
                         "stock_ns": m["stock"], "patched_ns": m["patched"], "fsdp_hook_ns": fsdp_hook,
                         "added_ns": added, "added_over_fsdp_hook": added / fsdp_hook,
                         "ratio": m["patched"] / m["stock"]})
-    direct = _hooks_directly(rounds, calls)
-    marginal = _marginal(fsdp_autocast_fix._compat.load().state_of(modules["patched"]), rounds, calls)
+    direct = _hooks_directly(modules["patched"], rounds, calls)
     fsdp_hook = statistics.mean(r["fsdp_hook_ns"] for r in results)
-    marginal["over_fsdp_hook"] = marginal["ns_per_call"] / fsdp_hook
+    for r in direct:
+        r["over_fsdp_hook"] = r["ns_per_call"] / fsdp_hook
     dist.destroy_process_group()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results + direct + [marginal], f, indent=1)
+            json.dump(results + direct, f, indent=1)
     print("| grad | unsharded ns | stock ns | patched ns | FSDP hooks ns | added ns | added / FSDP hooks "
           "| patched/stock |")
     print("|---|---|---|---|---|---|---|---|")
@@ -155,14 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['grad']} | {r['unsharded_ns']:.0f} | {r['stock_ns']:.0f} | {r['patched_ns']:.0f} | "
               f"{r['fsdp_hook_ns']:.0f} | {r['added_ns']:.0f} | {r['added_over_fsdp_hook']:.2%} | {r['ratio']:.4f} |")
     print()
-    print("| patch hooks, called directly | ns per call (pre, and post while registered) |")
-    print("|---|---|")
+    print(f"| the patch's own work, called directly | ns per call | of FSDP2's hook time ({fsdp_hook:.0f} ns) |")
+    print("|---|---|---|")
     for r in direct:
-        print(f"| {r['path']} | {r['ns_per_call']:.0f} |")
-    print()
-    print(f"Marginal cost of the patch's hooks per module call, as `nn.Module.__call__` runs them (identity "
-          f"module, interleaved): {marginal['ns_per_call']:.0f} ns = {marginal['over_fsdp_hook']:.2%} of FSDP2's "
-          f"own hook time ({fsdp_hook:.0f} ns, the mean of the two rows above).")
+        print(f"| {r['path']} | {r['ns_per_call']:.0f} | {r['over_fsdp_hook']:.2%} |")
     return 0
 
 
