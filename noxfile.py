@@ -20,6 +20,8 @@ CI = ["2.7.1", "2.12.1", "2.13.0"]
 CPU_MATRIX = ["2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
 #: FSDP2 needs CUDA on these: only the checks that need no forward (tests/test_structural.py).
 STRUCTURAL = ["2.4.1", "2.5.1", "2.6.0"]
+#: Run only by the transformers sessions (they need transformers and accelerate); the others ignore them.
+TRANSFORMERS_TESTS = ["tests/test_transformers.py", "tests/test_autoapply_transformers.py"]
 LOCAL_WHEELS = "/opt/wheels"
 
 
@@ -36,11 +38,14 @@ def tests(session: nox.Session, torch: str) -> None:
     """The whole suite against one torch release."""
     _install_torch(session, torch)
     session.install("-e", ".[test]")
-    session.run("python", "-m", "pytest", "-q", "--ignore=tests/test_transformers.py", *session.posargs)
+    session.run("python", "-m", "pytest", "-q", *(f"--ignore={path}" for path in TRANSFORMERS_TESTS),
+                *session.posargs)
 
 
 #: transformers 4.x checkpoints each decoder layer's __call__ (hits the bug); 5.x does not.
 TRANSFORMERS = [("2.12.1", "4.57.6"), ("2.12.1", "5.24.0"), ("2.13.0", "4.57.6")]
+#: For the auto-apply import-order tests (``import accelerate`` first).
+ACCELERATE = "1.15.0"
 
 
 @nox.session(python="3.11")
@@ -48,8 +53,8 @@ TRANSFORMERS = [("2.12.1", "4.57.6"), ("2.12.1", "5.24.0"), ("2.13.0", "4.57.6")
 def transformers(session: nox.Session, torch: str, transformers: str) -> None:
     """A tiny Hugging Face Llama trained with gradient checkpointing, stock and patched."""
     _install_torch(session, torch)
-    session.install("-e", ".[test]", f"transformers=={transformers}")
-    session.run("python", "-m", "pytest", "-q", "tests/test_transformers.py", *session.posargs)
+    session.install("-e", ".[test]", f"transformers=={transformers}", f"accelerate=={ACCELERATE}")
+    session.run("python", "-m", "pytest", "-q", *TRANSFORMERS_TESTS, *session.posargs)
 
 
 @nox.session(python="3.11", name="matrix-run")
@@ -61,7 +66,7 @@ def matrix_run(session: nox.Session, torch: str) -> None:
     os.makedirs(".matrix", exist_ok=True)
     paths = ["tests/test_structural.py"] if torch in STRUCTURAL else []
     session.run("python", "-m", "pytest", "-q", f"--junitxml=.matrix/torch-{torch}.xml",
-                "--ignore=tests/test_transformers.py", *paths,
+                *(f"--ignore={path}" for path in TRANSFORMERS_TESTS), *paths,
                 success_codes=[0, 1])
     if torch in STRUCTURAL:
         session.run("python", "-c", "import json, torch, fsdp_autocast_fix as f; s = f.status(); "
