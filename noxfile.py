@@ -1,7 +1,7 @@
 """Test sessions, one per torch release; run ``python3 -m nox`` (see README).
 
-Environments are made with uv and reused between runs. A CPU build of torch that
-lies on this machine's disk (``/opt/wheels``) is preferred when present.
+Environments are made with uv and reused between runs. torch comes from PyPI, or from a folder of
+local wheels named in uv's own ``UV_FIND_LINKS`` (a CPU build, say), which uv reads from the environment.
 """
 
 from __future__ import annotations
@@ -16,20 +16,16 @@ nox.options.sessions = ["tests", "transformers"]
 
 #: Run by ``python3 -m nox`` (the README's test command and CI): oldest and newest buggy, one fixed.
 CI = ["2.7.1", "2.12.1", "2.13.0"]
-#: FSDP2 runs on CPU from 2.7: the whole suite. 2.15.0 is above pip's cap on these machines; uv ignores it.
+#: FSDP2 runs on CPU from 2.7: the whole suite.
 CPU_MATRIX = ["2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
 #: FSDP2 needs CUDA on these: only the checks that need no forward (tests/test_structural.py).
 STRUCTURAL = ["2.4.1", "2.5.1", "2.6.0"]
 #: Run only by the transformers sessions (they need transformers and accelerate); the others ignore them.
 TRANSFORMERS_TESTS = ["tests/test_transformers.py", "tests/test_autoapply_transformers.py"]
-LOCAL_WHEELS = "/opt/wheels"
 
 
 def _install_torch(session: nox.Session, version: str) -> None:
-    args = [f"torch=={version}"]
-    if os.path.isdir(LOCAL_WHEELS):
-        args += ["--find-links", LOCAL_WHEELS]
-    session.install(*args)
+    session.install(f"torch=={version}")  # uv honours UV_FIND_LINKS from the environment
 
 
 @nox.session(python="3.11")
