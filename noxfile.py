@@ -12,7 +12,7 @@ import nox
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests", "transformers"]
+nox.options.sessions = ["tests", "transformers", "dist"]
 
 #: Run by ``python3 -m nox`` (the README's test command and CI): oldest and newest buggy, one fixed.
 CI = ["2.7.1", "2.12.1", "2.13.0"]
@@ -51,6 +51,44 @@ def transformers(session: nox.Session, torch: str, transformers: str) -> None:
     _install_torch(session, torch)
     session.install("-e", ".[test]", f"transformers=={transformers}", f"accelerate=={ACCELERATE}")
     session.run("python", "-m", "pytest", "-q", *TRANSFORMERS_TESTS, *session.posargs)
+
+
+#: The part of the suite run from the unpacked sdist: its helpers, the examples, the auto-apply in a fresh
+#: interpreter, and the path check over every file the sdist holds.
+DIST_TESTS = ["tests/test_hygiene.py", "tests/test_examples.py", "tests/test_autoapply.py",
+              "-k", "test_hygiene or seed_fixed or fsdp_autocast_fix or unsupported"]
+
+
+@nox.session(python="3.11")
+def dist(session: nox.Session) -> None:
+    """Build the sdist and the wheel and check them; then run part of the suite from the unpacked sdist.
+
+    Fails on a build warning of deprecated configuration, on what ``tests/check_dist.py`` finds in the
+    artefacts' contents and metadata, and on ``twine check --strict``. The suite runs against the installed
+    wheel (pytest's own script, so the sdist's source folder is not on the path) and torch 2.13.0.
+    """
+    import glob
+    import shutil
+    import tarfile
+
+    out = os.path.join(session.create_tmp(), "dist")
+    shutil.rmtree(out, ignore_errors=True)
+    log = session.run("uv", "build", "--out-dir", out, external=True, silent=True) or ""
+    if "deprecat" in log.lower():
+        session.error(f"the build warns of deprecated configuration:\n{log}")
+    session.run("python", "tests/check_dist.py", out)
+    session.install("twine")
+    session.run("twine", "check", "--strict", *sorted(glob.glob(os.path.join(out, "*"))))
+
+    (sdist,), (wheel,) = glob.glob(os.path.join(out, "*.tar.gz")), glob.glob(os.path.join(out, "*.whl"))
+    with tarfile.open(sdist) as tar:
+        tar.extractall(out, filter="data")
+    _install_torch(session, "2.13.0")
+    session.install("--reinstall-package", "fsdp-autocast-fix", f"{wheel}[test]")
+    with session.chdir(sdist.removesuffix(".tar.gz")):
+        # -P: no current folder on the path, as under pytest's script: the wheel is what gets imported.
+        session.run("python", "-P", "-c", "import fsdp_autocast_fix as f; assert 'site-packages' in f.__file__")
+        session.run("pytest", "-q", *DIST_TESTS)
 
 
 @nox.session(python="3.11", name="matrix-run")
