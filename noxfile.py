@@ -1,7 +1,7 @@
 """Test sessions, one per torch release; run ``python3 -m nox`` (see README).
 
-Environments are made with uv and reused between runs. A CPU build of torch that
-lies on this machine's disk (``/opt/wheels``) is preferred when present.
+Environments are made with uv and reused between runs. torch comes from PyPI, or from a folder of
+local wheels named in uv's own ``UV_FIND_LINKS`` (a CPU build, say), which uv reads from the environment.
 """
 
 from __future__ import annotations
@@ -12,22 +12,20 @@ import nox
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests", "transformers"]
+nox.options.sessions = ["tests", "transformers", "dist"]
 
 #: Run by ``python3 -m nox`` (the README's test command and CI): oldest and newest buggy, one fixed.
 CI = ["2.7.1", "2.12.1", "2.13.0"]
-#: FSDP2 runs on CPU from 2.7: the whole suite. 2.15.0 is above pip's cap on these machines; uv ignores it.
+#: FSDP2 runs on CPU from 2.7: the whole suite.
 CPU_MATRIX = ["2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
 #: FSDP2 needs CUDA on these: only the checks that need no forward (tests/test_structural.py).
 STRUCTURAL = ["2.4.1", "2.5.1", "2.6.0"]
-LOCAL_WHEELS = "/opt/wheels"
+#: Run only by the transformers sessions (they need transformers and accelerate); the others ignore them.
+TRANSFORMERS_TESTS = ["tests/test_transformers.py", "tests/test_autoapply_transformers.py"]
 
 
 def _install_torch(session: nox.Session, version: str) -> None:
-    args = [f"torch=={version}"]
-    if os.path.isdir(LOCAL_WHEELS):
-        args += ["--find-links", LOCAL_WHEELS]
-    session.install(*args)
+    session.install(f"torch=={version}")  # uv honours UV_FIND_LINKS from the environment
 
 
 @nox.session(python="3.11")
@@ -36,11 +34,14 @@ def tests(session: nox.Session, torch: str) -> None:
     """The whole suite against one torch release."""
     _install_torch(session, torch)
     session.install("-e", ".[test]")
-    session.run("python", "-m", "pytest", "-q", "--ignore=tests/test_transformers.py", *session.posargs)
+    session.run("python", "-m", "pytest", "-q", *(f"--ignore={path}" for path in TRANSFORMERS_TESTS),
+                *session.posargs)
 
 
 #: transformers 4.x checkpoints each decoder layer's __call__ (hits the bug); 5.x does not.
 TRANSFORMERS = [("2.12.1", "4.57.6"), ("2.12.1", "5.24.0"), ("2.13.0", "4.57.6")]
+#: For the auto-apply import-order tests (``import accelerate`` first).
+ACCELERATE = "1.15.0"
 
 
 @nox.session(python="3.11")
@@ -48,8 +49,46 @@ TRANSFORMERS = [("2.12.1", "4.57.6"), ("2.12.1", "5.24.0"), ("2.13.0", "4.57.6")
 def transformers(session: nox.Session, torch: str, transformers: str) -> None:
     """A tiny Hugging Face Llama trained with gradient checkpointing, stock and patched."""
     _install_torch(session, torch)
-    session.install("-e", ".[test]", f"transformers=={transformers}")
-    session.run("python", "-m", "pytest", "-q", "tests/test_transformers.py", *session.posargs)
+    session.install("-e", ".[test]", f"transformers=={transformers}", f"accelerate=={ACCELERATE}")
+    session.run("python", "-m", "pytest", "-q", *TRANSFORMERS_TESTS, *session.posargs)
+
+
+#: The part of the suite run from the unpacked sdist: its helpers, the examples, the auto-apply in a fresh
+#: interpreter, and the path check over every file the sdist holds.
+DIST_TESTS = ["tests/test_hygiene.py", "tests/test_examples.py", "tests/test_autoapply.py",
+              "-k", "test_hygiene or seed_fixed or fsdp_autocast_fix or unsupported"]
+
+
+@nox.session(python="3.11")
+def dist(session: nox.Session) -> None:
+    """Build the sdist and the wheel and check them; then run part of the suite from the unpacked sdist.
+
+    Fails on a build warning of deprecated configuration, on what ``tests/check_dist.py`` finds in the
+    artefacts' contents and metadata, and on ``twine check --strict``. The suite runs against the installed
+    wheel (pytest's own script, so the sdist's source folder is not on the path) and torch 2.13.0.
+    """
+    import glob
+    import shutil
+    import tarfile
+
+    out = os.path.join(session.create_tmp(), "dist")
+    shutil.rmtree(out, ignore_errors=True)
+    log = session.run("uv", "build", "--out-dir", out, external=True, silent=True) or ""
+    if "deprecat" in log.lower():
+        session.error(f"the build warns of deprecated configuration:\n{log}")
+    session.run("python", "tests/check_dist.py", out)
+    session.install("twine")
+    session.run("twine", "check", "--strict", *sorted(glob.glob(os.path.join(out, "*"))))
+
+    (sdist,), (wheel,) = glob.glob(os.path.join(out, "*.tar.gz")), glob.glob(os.path.join(out, "*.whl"))
+    with tarfile.open(sdist) as tar:
+        tar.extractall(out, filter="data")
+    _install_torch(session, "2.13.0")
+    session.install("--reinstall-package", "fsdp-autocast-fix", f"{wheel}[test]")
+    with session.chdir(sdist.removesuffix(".tar.gz")):
+        # -P: no current folder on the path, as under pytest's script: the wheel is what gets imported.
+        session.run("python", "-P", "-c", "import fsdp_autocast_fix as f; assert 'site-packages' in f.__file__")
+        session.run("pytest", "-q", *DIST_TESTS)
 
 
 @nox.session(python="3.11", name="matrix-run")
@@ -61,7 +100,7 @@ def matrix_run(session: nox.Session, torch: str) -> None:
     os.makedirs(".matrix", exist_ok=True)
     paths = ["tests/test_structural.py"] if torch in STRUCTURAL else []
     session.run("python", "-m", "pytest", "-q", f"--junitxml=.matrix/torch-{torch}.xml",
-                "--ignore=tests/test_transformers.py", *paths,
+                *(f"--ignore={path}" for path in TRANSFORMERS_TESTS), *paths,
                 success_codes=[0, 1])
     if torch in STRUCTURAL:
         session.run("python", "-c", "import json, torch, fsdp_autocast_fix as f; s = f.status(); "

@@ -15,10 +15,15 @@ each sharded module's forward-time state and replays it around the recompute::
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from . import _compat, _patch
+with warnings.catch_warnings():  # torch warns at import where numpy is absent; nothing here uses numpy
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: F401
+
+from . import _autoapply, _compat, _patch
 from ._checks import VALUE_CHECK, check_recompute, register_value_check
 from ._compat import UnsupportedTorchError
 from ._patch import apply, patched_fully_shard, preserve_autocast, remove
@@ -64,7 +69,11 @@ class Status:
 
 
 def status() -> Status:
-    """Report the torch version, what it needs, and what is patched now. Never raises."""
+    """Report the torch version, what it needs, and what is patched now. Never raises.
+
+    An auto-apply (``FSDP_AUTOCAST_FIX=1``) still waiting for an import to finish is completed first.
+    """
+    _autoapply.settle()
     try:
         needs: bool | None = _compat.load().needs_cast_replay
         unsupported = None

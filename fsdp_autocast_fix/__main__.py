@@ -1,4 +1,7 @@
-"""Command line: ``python -m fsdp_autocast_fix {demo,doctor,autoapply}`` (also ``fsdp-autocast-fix``)."""
+"""Command line: ``python -m fsdp_autocast_fix {demo,doctor,autoapply}`` (also ``fsdp-autocast-fix``).
+
+Each command documents its exit codes in its ``--help``; README lists them too.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +12,14 @@ import subprocess
 import sys
 from typing import Any
 
+from ._autoapply import ENV_VAR
+
 FIX = ("call fsdp_autocast_fix.apply() before training (or shard with patched_fully_shard); without editing "
        "the script: `fsdp-autocast-fix autoapply install`, then run it with FSDP_AUTOCAST_FIX=1")
 
 
 def _probe_in_subprocess() -> tuple[list[dict[str, str]] | None, str | None]:
     """The probe in a fresh interpreter (auto-apply off), so that it sees what stock torch does."""
-    from ._autoapply import ENV_VAR
-
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
     proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "fsdp_autocast_fix", "probe"],
                           capture_output=True, text=True, env=env, timeout=600)
@@ -70,30 +73,62 @@ def _print_doctor(report: dict[str, Any]) -> None:
     print(report["advice"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen command."""
-    parser = argparse.ArgumentParser(prog="fsdp-autocast-fix", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="the seed report's patterns, stock and patched, side by side (CPU or CUDA)")
-    doc = sub.add_parser("doctor", help="does this torch need the patch, and is it active? (exit 0: all good)")
+DESCRIPTION = ("Make a checkpointed fully_shard (FSDP2) module recompute exactly what its forward computed "
+               "(pytorch issue 148831). Run a command with --help for what it does and its exit codes.")
+EPILOG = "exit codes: those of the command; 2 also for a bad command line"
+DEMO_HELP = ("the seed report's patterns, stock and patched, side by side, by a live probe in this process "
+             "(world size 1: gloo on CPU, NCCL with CUDA); stock torch even where FSDP_AUTOCAST_FIX is set")
+DEMO_EXIT = ("exit codes: 0 the patch fixes every pattern; 1 it does not fix one, or the probe cannot run here "
+             "(torch < 2.7 without CUDA)")
+DOCTOR_HELP = ("does this torch need the patch, and is it active in this process? A live probe runs stock and "
+               "patched in a subprocess; one line of advice")
+DOCTOR_EXIT = ("exit codes: 0 nothing to do, or the patch is active and fixes every pattern; 1 the patch is "
+               "needed and not active (the advice says how); 2 this torch is not supported, or the patch does "
+               "not fix a pattern")
+AUTOAPPLY_HELP = (f"install or remove a .pth file that applies the patch in every process of this Python that "
+                  f"runs with {ENV_VAR}=1, without editing the training script")
+AUTOAPPLY_EXIT = "exit codes: 0 done (also when there was nothing to remove); 1 the folder cannot be written"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdp-autocast-fix", description=DESCRIPTION, epilog=EPILOG)
+    # metavar lists the public commands; "probe" (doctor's subprocess) has no help, so it is not listed.
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,doctor,autoapply}")
+    sub.add_parser("demo", help=DEMO_HELP, description=DEMO_HELP, epilog=DEMO_EXIT)
+    doc = sub.add_parser("doctor", help=DOCTOR_HELP, description=DOCTOR_HELP, epilog=DOCTOR_EXIT)
     doc.add_argument("--json", action="store_true", help="print one JSON object")
-    sub.add_parser("probe", help=argparse.SUPPRESS)
-    auto = sub.add_parser("autoapply", help="install or remove the .pth that applies the patch when "
-                                            "FSDP_AUTOCAST_FIX=1 is set")
-    auto.add_argument("action", choices=["install", "uninstall"])
-    auto.add_argument("--target", help="the site-packages folder (default: this interpreter's)")
-    args = parser.parse_args(argv)
+    sub.add_parser("probe", description="the doctor's live probe as JSON (run by the doctor in a subprocess)")
+    auto = sub.add_parser("autoapply", help=AUTOAPPLY_HELP, description=AUTOAPPLY_HELP, epilog=AUTOAPPLY_EXIT)
+    auto.add_argument("action", choices=["install", "uninstall"], help="write the .pth file, or remove it")
+    auto.add_argument("--target", help="the folder for the .pth file, created if missing (default: this "
+                                       "interpreter's site-packages)")
+    return parser
 
-    if args.command == "autoapply":
-        from . import _autoapply
 
-        if args.action == "install":
-            print(f"wrote {_autoapply.install(args.target)}; set {_autoapply.ENV_VAR}=1 to apply the patch "
-                  "when torch.distributed.fsdp is imported")
-        else:
-            path = _autoapply.uninstall(args.target)
-            print(f"removed {path}" if path else "nothing to remove")
+def _autoapply_command(action: str, target: str | None) -> int:
+    from . import _autoapply
+
+    if action == "uninstall":
+        path = _autoapply.uninstall(target)
+        print(f"removed {path}" if path else "nothing to remove")
         return 0
+    try:
+        path = _autoapply.install(target)
+    except OSError as e:
+        print(f"fsdp-autocast-fix: cannot write {_autoapply.pth_path(target)}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}; set {ENV_VAR}=1 to apply the patch in processes that use FSDP")
+    if not _autoapply.is_site_dir(path.parent):
+        print(f"note: {path.parent} is not one of this interpreter's site directories, so Python reads the "
+              "file there only if that folder is added with site.addsitedir")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen command; return its exit code."""
+    args = _parser().parse_args(argv)
+    if args.command == "autoapply":
+        return _autoapply_command(args.action, args.target)
     if args.command == "doctor":
         report = doctor()
         if args.json:
@@ -102,8 +137,12 @@ def main(argv: list[str] | None = None) -> int:
             _print_doctor(report)
         return int(report["exit_code"])
 
-    from . import _probe
+    from . import _autoapply, _probe, remove, status
 
+    if _autoapply.cancel() or status().patched_globally:  # "stock" must mean stock torch
+        remove()
+        print(f"note: {ENV_VAR} is set; the patch is not applied in this process, so that stock "
+              "means stock", file=sys.stderr)
     reason = _probe.can_probe()
     if reason is not None:
         print(f"cannot run the probe here: {reason}", file=sys.stderr)

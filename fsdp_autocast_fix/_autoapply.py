@@ -2,16 +2,26 @@
 
 ``python -m fsdp_autocast_fix autoapply install`` writes ``fsdp_autocast_fix_autoapply.pth`` into
 site-packages. At interpreter start it reads ``FSDP_AUTOCAST_FIX``; only when that is set (``1``, ``true``,
-``yes``, ``on``) does it import ``wrapt`` and register a post-import hook that calls
-:func:`fsdp_autocast_fix.apply` once ``torch.distributed.fsdp`` is imported. Nothing else is imported
-at start, and nothing happens without the variable.
+``yes``, ``on``) does it import ``wrapt`` and register :func:`on_fsdp_import` as a post-import hook for
+``torch.distributed.fsdp``. Nothing else is imported at start, and nothing happens without the variable.
+
+The hook runs inside whatever import brought FSDP in, which may be torch's own (``torch._dynamo`` imports
+FSDP while it is half initialised) or this package's. So it applies the patch only when no import of torch
+or of this package is under way, and otherwise leaves it pending until the first of: the first
+``FSDPState.init`` (the first ``fully_shard`` call; the patch then covers that state before ``fully_shard``
+returns), :func:`fsdp_autocast_fix.status`, or the ``doctor``. It never raises: where the patch cannot be
+applied (an unsupported torch), it logs one warning and training runs on stock torch.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import site
+import sys
 import sysconfig
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +29,14 @@ logger = logging.getLogger("fsdp_autocast_fix")
 
 ENV_VAR = "FSDP_AUTOCAST_FIX"
 PTH_NAME = "fsdp_autocast_fix_autoapply.pth"
-#: Modules whose import triggers apply(): the public FSDP package (all versions import it).
+#: Modules whose import triggers the auto-apply: the public FSDP package (all versions import it).
 TRIGGERS = ("torch.distributed.fsdp",)
 _HOOK = "fsdp_autocast_fix._autoapply:on_fsdp_import"
+
+_lock = threading.Lock()
+_pending = False
+#: While armed: (FSDPState, its own ``init``, the wrapper that settles the pending apply).
+_trigger: tuple[type, Any, Any] | None = None
 
 
 def pth_line() -> str:
@@ -32,23 +47,133 @@ def pth_line() -> str:
 
 
 def on_fsdp_import(module: Any) -> None:
-    """wrapt post-import hook: apply the patch process-wide (raises if this torch is unsupported)."""
-    import fsdp_autocast_fix
+    """wrapt post-import hook: apply the patch now if that is safe, else as soon as it is. Never raises."""
+    global _pending
+    try:
+        with _lock:
+            _pending = True
+        if not settle(importing=getattr(module, "__name__", None)):
+            _arm_trigger()
+    except Exception as e:  # pragma: no cover - a bug here must not break someone else's import
+        logger.warning("fsdp_autocast_fix: auto-apply failed (%s: %s); training runs on stock torch",
+                       type(e).__name__, e)
 
-    fsdp_autocast_fix.apply()
-    logger.info("fsdp_autocast_fix applied automatically (%s=%s)", ENV_VAR, os.environ.get(ENV_VAR))
+
+def settle(importing: str | None = None) -> bool:
+    """Apply a pending auto-apply unless an import of torch or of this package is under way.
+
+    ``importing`` names a module whose import is finishing (the hook's trigger) and may be ignored.
+    Returns False while the apply must wait, True once nothing is pending. Never raises: if the patch
+    cannot be applied, one warning is logged and torch stays stock.
+    """
+    global _pending
+    with _lock:
+        if not _pending:
+            return True
+        if _imports_under_way(importing):
+            return False
+        _pending = False
+    _disarm_trigger()
+    try:
+        import fsdp_autocast_fix
+
+        fsdp_autocast_fix.apply()
+    except Exception as e:
+        logger.warning("fsdp_autocast_fix: %s=%s is set, but the patch is not applied, training runs on stock "
+                       "torch: %s", ENV_VAR, os.environ.get(ENV_VAR), e)
+    else:
+        logger.info("fsdp_autocast_fix applied automatically (%s=%s)", ENV_VAR, os.environ.get(ENV_VAR))
+    return True
+
+
+def cancel() -> bool:
+    """Drop a pending auto-apply (for commands that must see stock torch); True if one was pending."""
+    global _pending
+    with _lock:
+        was, _pending = _pending, False
+    _disarm_trigger()
+    return was
+
+
+def pending() -> bool:
+    """Whether an auto-apply waits for an import to finish or for the first ``fully_shard``."""
+    return _pending
+
+
+def _imports_under_way(ignore: str | None) -> list[str]:
+    """Modules of torch or of this package whose import has started and not finished (except ``ignore``)."""
+    return [name for name, module in list(sys.modules.items())
+            if name != ignore and name.partition(".")[0] in ("torch", "fsdp_autocast_fix")
+            and getattr(getattr(module, "__spec__", None), "_initializing", False)]
+
+
+def _arm_trigger() -> None:
+    """Make the first ``FSDPState.init`` settle the pending apply right after it ran (and cover its state)."""
+    global _trigger
+    from . import _compat
+
+    found = next((getattr(sys.modules[name], "FSDPState", None) for name in _compat._STATE_MODULES
+                  if name in sys.modules), None)
+    if not isinstance(found, type) or "init" not in vars(found):  # status() still settles it
+        logger.debug("fsdp_autocast_fix: FSDPState.init not found; the auto-apply waits for status()")
+        return
+    state_cls, original = found, vars(found)["init"]
+
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _disarm_trigger()
+        result = original(self, *args, **kwargs)
+        if not settle():
+            _arm_trigger()
+        return result
+
+    with _lock:
+        if _trigger is None and _pending:
+            setattr(state_cls, "init", init)
+            _trigger = (state_cls, original, init)
+
+
+def _disarm_trigger() -> None:
+    """Give ``FSDPState.init`` back, unless something wrapped it since (then the trigger stays, inert)."""
+    global _trigger
+    with _lock:
+        if _trigger is None:
+            return
+        state_cls, original, init = _trigger
+        _trigger = None
+        if vars(state_cls).get("init") is init:
+            setattr(state_cls, "init", original)
+
+
+def _site_dirs() -> list[Path]:
+    dirs = [*site.getsitepackages(), site.getusersitepackages(), sysconfig.get_paths()["purelib"]]
+    return [Path(d).resolve() for d in dirs]
+
+
+def pth_path(target: str | None = None) -> Path:
+    """Where :func:`install` writes the ``.pth`` file: in ``target``, or this interpreter's site-packages."""
+    return Path(target or sysconfig.get_paths()["purelib"]) / PTH_NAME
 
 
 def install(target: str | None = None) -> Path:
-    """Write the ``.pth`` file into ``target`` (default: this interpreter's site-packages); return its path."""
-    path = Path(target or sysconfig.get_paths()["purelib"]) / PTH_NAME
+    """Write the ``.pth`` file into ``target`` (default: this interpreter's site-packages); return its path.
+
+    The folder is created if missing. Raises ``OSError`` (with the reason) if it cannot be created or written.
+    """
+    path = pth_path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(pth_line())
     return path
 
 
+def is_site_dir(folder: Path) -> bool:
+    """Whether Python reads ``.pth`` files in ``folder`` at start (this interpreter's site directories)."""
+    return folder.resolve() in _site_dirs()
+
+
 def uninstall(target: str | None = None) -> Path | None:
     """Remove the ``.pth`` file; return its path, or None if there was none."""
-    path = Path(target or sysconfig.get_paths()["purelib"]) / PTH_NAME
+    path = pth_path(target)
     if not path.exists():
         return None
     path.unlink()
