@@ -12,10 +12,12 @@ import nox
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests", "transformers", "dist"]
+nox.options.sessions = ["tests", "transformers", "deepspeed", "dist"]
 
 #: Run by ``python3 -m nox`` (the README's test command and CI): oldest and newest buggy, one fixed.
 CI = ["2.7.1", "2.12.1", "2.13.0"]
+#: DeepSpeed's two checkpoints (reentrant ``checkpoint``, ``non_reentrant_checkpoint``), without its compiled ops.
+DEEPSPEED = "0.19.8"
 #: FSDP2 runs on CPU from 2.7: the whole suite.
 CPU_MATRIX = ["2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
 #: FSDP2 needs CUDA on these: only the checks that need no forward (tests/test_structural.py).
@@ -51,6 +53,49 @@ def transformers(session: nox.Session, torch: str, transformers: str) -> None:
     _install_torch(session, torch)
     session.install("-e", ".[test]", f"transformers=={transformers}", f"accelerate=={ACCELERATE}")
     session.run("python", "-m", "pytest", "-q", *TRANSFORMERS_TESTS, *session.posargs)
+
+
+@nox.session(python="3.11")
+@nox.parametrize("torch", ["2.12.1", "2.13.0"], ids=["2.12.1", "2.13.0"])
+def deepspeed(session: nox.Session, torch: str) -> None:
+    """DeepSpeed's checkpoints: the named cases, ``preserve_autocast`` around them, and the sampled grid cells."""
+    _install_torch(session, torch)
+    session.install("-e", ".[test]")
+    session.install(f"deepspeed=={DEEPSPEED}", env={"DS_BUILD_OPS": "0"})
+    session.run("python", "-m", "pytest", "-q", "tests/test_regressions.py", "tests/test_grid.py", "-k", "deepspeed",
+                *session.posargs, env={"DS_ACCELERATOR": "cpu"})
+
+
+@nox.session(python="3.11")
+@nox.parametrize("torch", CI, ids=CI)
+def grid(session: nox.Session, torch: str) -> None:
+    """The whole generated scenario space (tests/grid.py) on one torch: hours on a small machine.
+
+    ``python3 -m nox -s "grid(2.12.1)" -- --sample 2000`` runs a seeded sample instead. Writes
+    ``grid/torch-<version>.json``; ``python3 -m nox -s grid-report`` puts the counts into README.
+    """
+    _install_torch(session, torch)
+    session.install("-e", ".[test]")
+    os.makedirs("grid", exist_ok=True)
+    what = list(session.posargs) or ["--all"]
+    session.run("python", "tests/grid_report.py", *what, "--json", f"grid/torch-{torch}.json")
+
+
+@nox.session(python=False, name="grid-report")
+def grid_report(session: nox.Session) -> None:
+    """README's scenario-space tables, from ``grid/torch-*.json``."""
+    import glob
+    import re
+
+    paths = sorted(glob.glob("grid/torch-*.json"))
+    if not paths:
+        session.error("no grid/torch-*.json: run the grid sessions first")
+    tables = session.run("python3", "tests/grid_report.py", "--markdown", *paths, silent=True, external=True)
+    block = f"<!-- grid:start -->\n{tables.strip()}\n<!-- grid:end -->"
+    readme = open("README.md").read()
+    readme = re.sub(r"<!-- grid:start -->.*?<!-- grid:end -->", lambda _: block, readme, flags=re.S)
+    open("README.md", "w").write(readme)
+    print(block)
 
 
 #: The part of the suite run from the unpacked sdist: its helpers, the examples, the auto-apply in a fresh
@@ -146,8 +191,9 @@ def table(session: nox.Session, torch: str) -> None:
 def bench(session: nox.Session) -> None:
     """All benchmarks on this machine; writes benchmarks/results/ and README's benchmark section.
 
-    (a)-(d) run on torch 2.12.1 with this package, (d) and (e) on torch 2.13.0 stock, and (a) against (e)
-    alternately in one run. Uses the environments of ``tests(2.12.1)`` and ``tests(2.13.0)``.
+    The headline is the in-process A/B step (patched against stock on the same torch build, model and ranks)
+    on torch 2.12.1 and 2.13.0; then the hook overhead, the value check and the per-variant step table.
+    Uses the environments of ``tests(2.12.1)`` and ``tests(2.13.0)``.
     """
     import datetime
     import platform
@@ -163,6 +209,9 @@ def bench(session: nox.Session) -> None:
         return session.run(python, "-W", "ignore", f"benchmarks/{script}", *args, silent=True, external=True)
 
     tables = [
+        ("A/B training step, torch 2.12.1: patched and stock alternated in one process (`benchmarks/ab_step.py`)",
+         run(buggy, "ab_step.py", "--json", f"{out}/ab_step-2.12.1.json")),
+        ("A/B training step, torch 2.13.0", run(fixed, "ab_step.py", "--json", f"{out}/ab_step-2.13.0.json")),
         ("Hook overhead, torch 2.12.1 (`benchmarks/hook_overhead.py`)",
          run(buggy, "hook_overhead.py", "--json", f"{out}/hook_overhead-2.12.1.json")),
         ("Hook overhead, torch 2.13.0", run(fixed, "hook_overhead.py", "--json", f"{out}/hook_overhead-2.13.0.json")),
@@ -172,16 +221,14 @@ def bench(session: nox.Session) -> None:
          run(buggy, "step.py", "--steps", steps, "--json", f"{out}/step-2.12.1.json")),
         ("Training step, torch 2.13.0 stock", run(fixed, "step.py", "--variants", "de", "--steps", steps,
                                                   "--json", f"{out}/step-2.13.0.json")),
-        ("(a) patched on 2.12.1 against (e) the upstream fix on 2.13.0, alternated (`benchmarks/compare_envs.py`)",
-         run(buggy, "compare_envs.py", "--a-python", buggy, "--e-python", fixed, "--rounds", "3",
-             "--json", f"{out}/compare_envs.json")),
     ]
     session.run("python3", "-m", "nox", "-s", "chart", external=True)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     header = (f"Measured {datetime.date.today().isoformat()} with `python3 -m nox -s bench` on {os.cpu_count()} "
-              f"CPU cores ({cpu}), gloo, 2 ranks for the step benchmark (8 layers, hidden 256, sequence 128, "
-              f"batch 2, {steps} steps after 3 warm-up).")
+              f"CPU cores ({cpu}), gloo, 2 ranks for the step benchmarks (8 layers, hidden 256, sequence 128, "
+              f"batch 2; the A/B: 30 rounds of one step per variant after 3 warm-up rounds; `step.py`: {steps} "
+              f"steps after 3 warm-up, each variant in its own processes).")
     body = "\n\n".join(f"**{title}**\n\n{text.strip()}" for title, text in tables)
     body += "\n\n![benchmarks](benchmarks/results/benchmarks.png)"
     block = f"<!-- bench:start -->\n{header}\n\n{body}\n<!-- bench:end -->"
@@ -192,8 +239,23 @@ def bench(session: nox.Session) -> None:
         readme = re.sub(r"<!-- bench:start -->.*?<!-- bench:end -->", lambda _: block, readme, flags=re.S)
     else:
         readme = readme.rstrip("\n") + "\n\n" + block + "\n"
+    readme = re.sub(r"<!-- headline:start -->.*?<!-- headline:end -->", lambda _: _headline(out), readme, flags=re.S)
     open("README.md", "w").write(readme)
     print(block)
+
+
+def _headline(results: str) -> str:
+    """README's one-line cost summary, from the A/B step results."""
+    import json
+
+    parts = []
+    for torch in ("2.12.1", "2.13.0"):
+        r = json.load(open(f"{results}/ab_step-{torch}.json"))
+        parts.append(f"torch {torch}: patched / stock {r['patched_over_stock']:.3f}, reentrant workaround / stock "
+                     f"{r['reentrant_over_stock']:.3f}")
+    return ("<!-- headline:start -->\n**Cost**, training step time measured side by side in one process (same torch "
+            "build, model and ranks; `benchmarks/ab_step.py`, see Benchmarks): " + "; ".join(parts) +
+            ".\n<!-- headline:end -->")
 
 
 @nox.session(python="3.11")

@@ -17,14 +17,16 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
 import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.utils.checkpoint
 
-__all__ = ["HookSlots", "Internals", "Slot", "UnsupportedTorchError", "hook_slots", "load"]
+__all__ = ["HookSlots", "Internals", "Slot", "UnsupportedTorchError", "hook_slots", "in_torch_checkpoint", "load"]
 
 #: Import paths of composable FSDP, newest first (2.6+ public path, then 2.4/2.5).
 _FSDP_PACKAGES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
@@ -227,98 +229,77 @@ def _forward_hooks_snapshot() -> bool:
 
 
 class Slot:
-    """One place where FSDP keeps a hook callable: a module's hook-dict entry or a closure cell.
+    """One of a module's hook-dict entries that FSDP registered: the patch puts its own callable there (same key,
+    so the same place among the user's hooks) and later FSDP's back."""
 
-    The patch puts its own callable there and later the original back, so that it runs exactly
-    where (and only when) FSDP's own hook runs.
-    """
-
-    def get(self) -> Any:
-        """The callable kept here now."""
-        raise NotImplementedError
-
-    def set(self, value: Any) -> None:
-        """Keep ``value`` here instead."""
-        raise NotImplementedError
-
-
-class _DictSlot(Slot):
     def __init__(self, hooks: dict[int, Any], key: int) -> None:
         self.hooks, self.key = hooks, key
 
     def get(self) -> Any:
+        """The callable in this entry now (None once the hook was removed)."""
         return self.hooks.get(self.key)
 
     def set(self, value: Any) -> None:
-        if self.key in self.hooks:  # never re-adds a hook that was removed meanwhile
+        """Put ``value`` in this entry (never re-adds a hook that was removed meanwhile)."""
+        if self.key in self.hooks:
             self.hooks[self.key] = value
-
-
-class _CellSlot(Slot):
-    def __init__(self, cell: types.CellType) -> None:
-        self.cell = cell
-
-    def get(self) -> Any:
-        return self.cell.cell_contents
-
-    def set(self, value: Any) -> None:
-        self.cell.cell_contents = value
 
 
 @dataclass(frozen=True)
 class HookSlots:
-    """Where FSDP's hooks for one module live.
-
-    ``entry`` is FSDP's forward pre-hook entry in the module's hook dict (what ``nn.Module.__call__``
-    runs); ``pre`` and ``post`` hold the state's bound ``_pre_forward`` / ``_post_forward``. For a
-    module sharded alone ``pre`` is ``entry``; for ``fully_shard([a, b, ...])`` the entries are group
-    closures that call ``_pre_forward`` / ``_post_forward`` only for the module that starts / ends the
-    group's pass (2.5-2.12), and ``pre`` / ``post`` are the closure cells holding them.
-    """
+    """FSDP's two hook entries of one module: ``entry`` in its forward pre-hooks, ``post_entry`` in its forward
+    hooks. For a module sharded alone they hold the state's bound ``_pre_forward`` / ``_post_forward``; for
+    ``fully_shard([a, b, ...])`` group closures that call those (only for the module that starts / ends the
+    group's pass, in torch 2.5-2.12)."""
 
     entry: Slot
-    pre: Slot
-    post: Slot
+    post_entry: Slot
 
 
-def _cell_holding(fn: Any, target: Any, depth: int = 3) -> types.CellType | None:
-    """The closure cell, in ``fn`` or a function it closes over, that holds the bound method ``target``."""
-    for cell in getattr(fn, "__closure__", None) or ():
+def _calls(hook: Any, target: Any, depth: int = 3) -> bool:
+    """Whether ``hook`` is the bound method ``target``, or a function whose closure (or a function in it) holds it."""
+    if type(hook) is types.MethodType:
+        return bool(hook == target)
+    for cell in getattr(hook, "__closure__", None) or ():
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if type(value) is types.MethodType and value == target:
-            return cell
-        if depth and inspect.isfunction(value):
-            found = _cell_holding(value, target, depth - 1)
-            if found is not None:
-                return found
-    return None
+        if (type(value) is types.MethodType and value == target) or (
+                depth and inspect.isfunction(value) and _calls(value, target, depth - 1)):
+            return True
+    return False
 
 
-def _find_hook(hooks: dict[int, Any], target: Any) -> tuple[int, Slot] | None:
-    """The key of the hook entry that is, or calls, ``target``, and the slot that holds ``target``."""
+def _find_hook(hooks: dict[int, Any], target: Any) -> Slot | None:
     for key, hook in hooks.items():
-        if type(hook) is types.MethodType and hook == target:
-            return key, _DictSlot(hooks, key)
-        cell = _cell_holding(hook, target)
-        if cell is not None:
-            return key, _CellSlot(cell)
+        if _calls(hook, target):
+            return Slot(hooks, key)
     return None
 
 
 def hook_slots(state: Any, module: torch.nn.Module) -> HookSlots:
-    """Find FSDP's hooks for ``module`` of ``state``; raise :class:`UnsupportedTorchError` if not where expected."""
-    pre = _find_hook(module._forward_pre_hooks, state._pre_forward)
-    post = _find_hook(module._forward_hooks, state._post_forward)
-    if pre is None or post is None:
+    """Find FSDP's hook entries for ``module`` of ``state``; raise :class:`UnsupportedTorchError` if not there."""
+    entry = _find_hook(module._forward_pre_hooks, state._pre_forward)
+    post_entry = _find_hook(module._forward_hooks, state._post_forward)
+    if entry is None or post_entry is None:
         raise UnsupportedTorchError(
-            f"FSDP's forward {'pre-hook' if pre is None else 'hook'} on {type(module).__name__}",
+            f"FSDP's forward {'pre-hook' if entry is None else 'hook'} on {type(module).__name__}",
             "not found where fully_shard registers it")
-    key, pre_slot = pre
-    entry = pre_slot if isinstance(pre_slot, _DictSlot) else _DictSlot(module._forward_pre_hooks, key)
-    return HookSlots(entry=entry, pre=pre_slot, post=post[1])
+    return HookSlots(entry=entry, post_entry=post_entry)
+
+
+def in_torch_checkpoint() -> bool:
+    """Whether ``torch.utils.checkpoint`` (either mode; also what ``checkpoint_wrapper``, the composable
+    ``checkpoint`` and selective checkpointing run on) is running the current recompute: a frame of its module
+    is on this thread's stack. It restores autocast itself. Off the hot path (ambiguous recomputes only)."""
+    path = torch.utils.checkpoint.__file__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename == path:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def fsdp_package() -> Any:

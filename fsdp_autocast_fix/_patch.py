@@ -4,28 +4,32 @@ For every module it covers, the patch takes the place of FSDP's own forward pre-
 hook dict (same key, so the same position among the user's hooks) and calls FSDP's hook from there:
 
 * **Ordinary forward.** Before FSDP's hook runs, it records the call: the autocast state (enabled and
-  dtype per device type in use, and the cache flag) and whether FSDP's root moved the inputs to the
-  device. The record is a few scalars, kept on the Python object of the call's first input tensor's
-  storage, under (module, storage offset, numel) and checked against the tensor's version counter. A
-  recompute gets the same storage back, the very tensor (``torch.utils.checkpoint``) or a ``detach()``
-  of it (reentrant-style checkpoints), so it finds the record of the call it recomputes; a record lives
-  exactly as long as the input it belongs to. At the start of a forward pass (FSDP's root) with
-  gradients on, it also drops autocast's cached casts: FSDP2 reuses its unsharded parameters between
-  passes, so a cast cached by an earlier pass (a ``no_grad`` eval pass, say) would cut this pass off
-  from the parameters (pytorch issue 158232). A cast is recomputed to the same bits.
+  dtype per device type in use, and the cache flag), whether FSDP's root moved the inputs to the device,
+  and which of FSDP's casts the forward does (for ``fully_shard([a, b])`` only the group's first inputs and
+  last output, in torch 2.5-2.12). The record is a few scalars, kept on the Python object of the storage
+  of the call's first tensor argument (parameters aside), under (module, storage offset, numel) and checked
+  against the tensor's version counter. A recompute gets the same storage back, the very tensor
+  (``torch.utils.checkpoint``) or a ``detach()`` of it (reentrant-style checkpoints), so it finds the record
+  of the call it recomputes; a record lives exactly as long as the input it belongs to.
+* **Autocast's cast cache** (pytorch issue 158232): FSDP2 reuses its unsharded parameters, so a cast cached
+  by a no-grad forward, or by an earlier forward pass of the same module in the same autocast region, would
+  cut a later grad-enabled forward off from the parameters. The patch drops the cached casts before such a
+  forward and before every recompute.
 * **Recompute** (FSDP state ``PRE_BACKWARD``, or any forward inside backward, which is how reentrant-style
-  checkpoints recompute). For the outermost covered module of the recompute it looks the call up,
-  enters that call's autocast state where the current one differs (a checkpoint that restored it
-  correctly sees no change), drops cached casts, and registers a forward hook (last, ``always_call``)
-  that undoes all this after the module's other hooks. Modules called inside it re-run as in the
-  forward and need nothing. Where this torch skips FSDP's casts in ``PRE_BACKWARD`` (2.4-2.12) it casts
-  the inputs right after FSDP's pre-hook and the output right in FSDP's post-hook (swapped in for the
-  recompute), so the user's hooks before and after FSDP's see what they saw in the forward.
+  checkpoints recompute). The outermost covered module of the recompute looks its call up, enters that
+  call's autocast state where the current one differs (a checkpoint that restored it sees no change), and
+  registers a forward hook (last, ``always_call``) that undoes this after the module's other hooks. Modules
+  called inside it re-run as in the forward and need nothing; the next sharded calls of the same region
+  (the same backward node) follow it while the region's own code leaves autocast as it was. In
+  ``PRE_BACKWARD`` FSDP skips its root input move, and in torch 2.4-2.12 its casts: the patch does what the
+  call's forward did right after FSDP's pre-hook and, for the output, in FSDP's forward-hook entry
+  (swapped in for the recompute), so user hooks before and after FSDP's see what they saw in the forward.
 
 If user pre-hooks run before FSDP's, a lead pre-hook of the patch is put first so that the record and
 the replayed autocast state come before them too. The patch's hooks are wrapped with
-``torch._dynamo.disable`` as FSDP's are, so torch.compile runs them eagerly where it ran FSDP's. Modules sharded later are covered through a wrapt wrapper on ``FSDPState.init``,
-modules sharded earlier through torch's composable-state registry.
+``torch._dynamo.disable`` as FSDP's are, so torch.compile runs them eagerly where it ran FSDP's. Modules
+sharded later are covered through a wrapt wrapper on ``FSDPState.init``, modules sharded earlier through
+torch's composable-state registry.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ _Tensor = torch.Tensor
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
 _graph_task_id = torch._C._current_graph_task_id
 _current_node = torch._C._current_autograd_node
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
 _is_autocast_enabled = torch.is_autocast_enabled
 _get_autocast_dtype = torch.get_autocast_dtype
 _is_autocast_cache_enabled = torch.is_autocast_cache_enabled
@@ -92,7 +97,7 @@ def _frames() -> list[_Frame]:
 
 
 def _eager(hook: Any) -> Any:
-    """``hook`` as torch.compile must see it: run eagerly, never traced (only registered during a replay)."""
+    """``hook`` as torch.compile must see it, as FSDP's own: run eagerly where dynamo breaks the graph, never traced."""
     return torch._dynamo.disable(hook, recursive=True)
 
 
@@ -126,12 +131,11 @@ def _enter(captured: Any, device_types: tuple[str, ...]) -> contextlib.ExitStack
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """The tensor a call is recorded under: its first positional tensor, else its first keyword tensor."""
-    for value in args:
-        if isinstance(value, _Tensor):
-            return value
-    for value in kwargs.values():
-        if isinstance(value, _Tensor):
+    """The tensor a call is recorded under: its first positional tensor, else its first keyword tensor.
+
+    Parameters are skipped: one is passed to every call, so it tells no call from another."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _Tensor) and not isinstance(value, torch.nn.Parameter):
             return value
     return None
 
@@ -139,40 +143,63 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
 class _Frame:
     """A recompute in flight on this thread: the outermost covered module being recomputed."""
 
-    __slots__ = ("module", "moved")
+    __slots__ = ("module", "graph_task")
 
-    def __init__(self, module: torch.nn.Module, moved: bool) -> None:
+    def __init__(self, module: torch.nn.Module, graph_task: int) -> None:
         self.module = module
-        self.moved = moved  # whether FSDP's root moved this call's inputs to the device in the forward
+        self.graph_task = graph_task
 
 
 class _Replay:
-    """What one recompute of a module changed, undone by the module's exit hook."""
+    """One recompute of a module: what FSDP's forward did that this torch skips, and what to undo after."""
 
-    __slots__ = ("frame", "stack", "swapped")
+    __slots__ = ("frame", "stack", "thread", "cache_before", "moved", "cast_in", "cast_out", "pre_pending")
 
-    def __init__(self, frame: _Frame | None, stack: contextlib.ExitStack | None, swapped: bool) -> None:
-        self.frame, self.stack, self.swapped = frame, stack, swapped
+    def __init__(self, frame: _Frame | None, stack: contextlib.ExitStack | None, cache_before: bool, moved: bool,
+                 cast_in: bool, cast_out: bool) -> None:
+        self.frame, self.stack = frame, stack
+        self.thread, self.cache_before = threading.get_ident(), cache_before
+        self.moved, self.cast_in, self.cast_out = moved, cast_in, cast_out
+        self.pre_pending = moved or cast_in  # done right after FSDP's pre-hook, by the entry
+
+
+#: The autocast cache (pytorch issue 158232). A no-grad forward of a covered module under autocast caches casts
+#: of FSDP's unsharded parameters without autograd history ("tainted"); a forward pass of a module that already
+#: ran one in the same autocast region would reuse the casts of that pass's graph. In both cases the next
+#: grad-enabled forward must cast anew, and so does every recompute. Other cached casts are left alone: a
+#: parameter FSDP does not manage, used before and after a sharded module, keeps sharing one cast (and so the
+#: gradient accumulation of plain PyTorch). ``_cache[0]`` counts clears, ``_cache[1]`` is the taint.
+_cache = [0, False]
+
+
+def _drop_cached_casts() -> None:
+    _clear_autocast_cache()
+    _cache[0] += 1
+    _cache[1] = False
 
 
 class _Module:
     """The patch's hooks on one module of a covered state."""
 
-    __slots__ = ("cover", "key", "slots", "fsdp_entry", "hook", "grouped", "lead", "replays", "exit_handle",
-                 "last", "warned", "__weakref__")
+    __slots__ = ("cover", "key", "slots", "fsdp_entry", "fsdp_post", "hook", "post_hook", "grouped", "lead",
+                 "replays", "exit_handle", "last", "unkeyed", "warned", "pass_epoch", "__weakref__")
 
     def __init__(self, cover: _Cover, module: torch.nn.Module, slots: _compat.HookSlots) -> None:
         self.cover = cover
         self.key = next(_keys)  # never reused, unlike id(): records of a removed cover stay unmatched
         self.slots = slots
-        self.fsdp_entry = slots.entry.get()
-        self.grouped = slots.pre is not slots.entry
+        self.fsdp_entry = slots.entry.get()  # FSDP's pre-hook entry: its bound _pre_forward, or a group closure
+        self.fsdp_post = slots.post_entry.get()  # FSDP's forward-hook entry, likewise
+        self.grouped = len(cover.modules_of_state) > 1
         self.lead: Any = None  # handle of the lead pre-hook, while user pre-hooks run before FSDP's
         self.replays: list[_Replay] = []
         self.exit_handle: Any = None
         self.last: Any = None  # the state of the last recorded call, for the unidentified-recompute warning
+        self.unkeyed: Any = None  # the last call with no tensor argument to record it under (parameters aside)
         self.warned = False
+        self.pass_epoch = -1  # the autocast-cache epoch in which this module last started a forward pass
         self.hook = _eager(self.entry)  # as FSDP's own hooks: torch.compile runs it eagerly, never traces it
+        self.post_hook = _eager(self.post_forward)
         slots.entry.set(self.hook)
         self._place_lead(module)
 
@@ -182,9 +209,10 @@ class _Module:
         """In the place of FSDP's pre-hook entry: record or replay (unless the lead did), then FSDP's pre-hook."""
         if self.lead is None:
             self.begin(module, args, kwargs)
-        if self.grouped:  # the group closure calls the state's pre-hook (ours in its cell) when FSDP would
-            return self.fsdp_entry(module, args, kwargs)
-        return self.cover.pre_forward(module, args, kwargs)
+        result = self.fsdp_entry(module, args, kwargs)
+        if self.replays and self.replays[-1].pre_pending:
+            return self._pre_casts(args, kwargs, result)
+        return result
 
     def lead_hook(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """First of all pre-hooks, while user pre-hooks run before FSDP's: record or replay there."""
@@ -197,17 +225,28 @@ class _Module:
         if state._training_state is cover.pre_backward or _graph_task_id() != -1:
             self._begin_recompute(module, args, kwargs)
             return
+        if self.replays:  # left by an interrupted recompute (KeyboardInterrupt skips always_call hooks)
+            self._drop_stale()
         root = state._state_ctx.iter_forward_root is None  # this call starts a forward pass
         if _any_autocast_enabled():
             now = _capture_enabled(cover.device_types)
-            if root and now[1] and _is_grad_enabled():
-                _clear_autocast_cache()  # casts cached by an earlier pass hold no path to FSDP's parameters
+            if now[1]:  # the cast cache is on
+                if not _is_grad_enabled():
+                    _cache[1] = True
+                else:
+                    if _cache[1] or (root and self.pass_epoch == _cache[0]):
+                        _drop_cached_casts()
+                    if root:
+                        self.pass_epoch = _cache[0]
         else:
             now = _ALL_OFF
-        call = (now, cover.may_move and root)
+        call = (now, cover.may_move and root) + (_group_casts(state, module) if self.grouped else _ALL_CAST)
         self.last = call
+        if _is_inference_mode_enabled():  # a call that is never recomputed
+            return
         x = args[0] if args and type(args[0]) is _Tensor else _first_tensor(args, kwargs)
-        if x is None:
+        if x is None:  # nothing to key on: an unidentified recompute of a call like this replays the latest
+            self.unkeyed = call
             return
         try:
             storage = x.untyped_storage()
@@ -230,7 +269,7 @@ class _Module:
     # -- recompute ------------------------------------------------------------------------------------
 
     def _lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-        """The states recorded for the forward call whose inputs these are, or None."""
+        """The calls recorded for the forward call whose inputs these are, or None."""
         x = _first_tensor(args, kwargs)
         if x is None:
             return None
@@ -247,8 +286,13 @@ class _Module:
         here = (_graph_task_id(), node._sequence_nr() if node is not None else None)
         if calls is None:
             region = getattr(_tls, "region", None)
-            if region is not None and region[0] == here:  # a later sharded call of the region just replayed
-                return region[1][0], False
+            # A later sharded call of the region whose first call was just replayed, unless the region's code
+            # changed autocast itself since (then the state now is the region's own).
+            if region is not None and region[0] == here and region[2] == now:
+                return region[1][:1] + (False,) + _group_casts(self.cover.state, module)
+            if self.unkeyed is not None:  # calls with only parameters as tensors: the latest such call
+                _tls.region = (here, self.unkeyed, now)
+                return self.unkeyed
             if self.last is not None and self.last[0] != now and not self.warned:
                 self.warned = True
                 logger.warning(
@@ -257,48 +301,81 @@ class _Module:
                     "does not restore autocast, wrap it with fsdp_autocast_fix.preserve_autocast",
                     type(module).__name__)
             return None
-        _tls.region = (here, self._pick(module, calls, now))
-        return _tls.region[1]
+        chosen = self._pick(module, calls, now)
+        _tls.region = (here, chosen, now)
+        return chosen
 
     def _pick(self, module: torch.nn.Module, calls: tuple[Any, ...], now: Any) -> Any:
         if len(calls) == 1:
             return calls[0]
-        for call in calls:  # the same input under several states: the one the checkpoint restored, if any
-            if call[0] == now:
-                chosen = call
-                break
-        else:
-            chosen = calls[-1]
+        # The same input under several states (an eval pass on the training batch, say). torch's checkpoint
+        # restored the state of the call it recomputes: keep it. Other checkpoints: the most recent call.
+        restored = _compat.in_torch_checkpoint() and next((c for c in calls if c[0] == now), None)
+        chosen = restored or calls[-1]
         if not self.warned:
             self.warned = True
             logger.warning(
-                "%s ran forward on the same input under %d autocast states before this recompute; replaying %s "
-                "(the current state if it is one of them, else the most recent). Wrap the checkpoint with "
-                "fsdp_autocast_fix.preserve_autocast to make it exact", type(module).__name__, len(calls),
-                "the current state" if chosen[0] == now else "the most recent")
+                "%s ran forward on the same input under %d autocast states before this recompute; replaying %s. "
+                "Wrap the checkpoint with fsdp_autocast_fix.preserve_autocast to make it exact",
+                type(module).__name__, len(calls),
+                "the one torch's checkpoint restored" if restored else "the most recent")
         return chosen
 
     def _begin_recompute(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         cover = self.cover
+        state = cover.state
+        graph_task = _graph_task_id()
         frames = _frames()
+        if frames and frames[0].graph_task != graph_task:  # left by a recompute of an earlier backward
+            frames.clear()
         frame = stack = None
+        cache_before = _is_autocast_cache_enabled()
         if not frames:  # the outermost covered module of this recompute: the call it replays
             now = _capture(cover.device_types)
             chosen = self._choose(module, self._lookup(args, kwargs), now)
             if chosen is not None and chosen[0] != now:
                 stack = _enter(chosen[0], cover.device_types)
-            _clear_autocast_cache()  # the recompute casts anew, with gradients, as the forward did
-            frame = _Frame(module, chosen is not None and chosen[1])
+            _drop_cached_casts()  # the recompute casts anew: cached casts may hold no path to FSDP's parameters
+            frame = _Frame(module, graph_task)
             frames.append(frame)
-        # FSDP's post-hook returns the output uncast in PRE_BACKWARD on this torch: cast in its place.
-        swapped = cover.state._training_state is cover.pre_backward and cover.casts()
-        if frame is None and not swapped:
-            return  # inside a replayed module: it re-runs as in the forward
-        if swapped:
-            cover.swap_post()
-        self.replays.append(_Replay(frame, stack, swapped))
+        else:
+            chosen = None  # inside a replayed module: it re-runs as in the forward
+        if chosen is None:
+            chosen = (None, False) + (_group_casts(state, module) if self.grouped else _ALL_CAST)
+        _, moved, cast_in, cast_out = chosen
+        if state._training_state is cover.pre_backward:  # FSDP skips its forward's root move, and on 2.4-2.12
+            casts = cover.casts()  # its casts: do them in its place
+            cast_in, cast_out = cast_in and casts, cast_out and casts
+        else:
+            moved = cast_in = cast_out = False
+        if frame is None and not (moved or cast_in or cast_out):
+            return
+        self.replays.append(_Replay(frame, stack, cache_before, moved, cast_in, cast_out))
+        if cast_out:
+            self.slots.post_entry.set(self.post_hook)
         if self.exit_handle is None:
             self.exit_handle = module.register_forward_hook(_eager(self.exit), always_call=True)
+
+    def _pre_casts(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> Any:
+        """Right after FSDP's pre-hook in a replay: the root move and input cast its forward did."""
+        replay = self.replays[-1]
+        replay.pre_pending = False
+        if result is not None:
+            args, kwargs = result
+        state = self.cover.state
+        if replay.moved:  # no torch release replays this
+            args_tuple, kwargs_tuple = _internals().to_kwargs(args, kwargs, state._device, False)
+            args, kwargs = args_tuple[0], kwargs_tuple[0]
+        policy = state._mp_policy
+        if replay.cast_in and policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = _cast(policy.param_dtype, args), _cast(policy.param_dtype, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, input: Any, output: Any) -> Any:
+        """In the place of FSDP's forward hook during a replay: FSDP's hook, then the output cast it did."""
+        output = self.fsdp_post(module, input, output)
+        dtype = self.cover.state._mp_policy.output_dtype
+        return _cast(dtype, output) if dtype is not None else output
 
     def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """Last forward hook while a replay is in flight: undo what :meth:`begin` changed, also on errors."""
@@ -307,17 +384,45 @@ class _Module:
             return
         replay = self.replays.pop()
         try:
-            if replay.swapped:
-                self.cover.unswap_post()
-            if replay.frame is not None:
-                frames = _frames()
-                if replay.frame in frames:
-                    frames.remove(replay.frame)
+            self._undo(replay)
         finally:
             if replay.stack is not None:
                 replay.stack.close()
             if not self.replays:
                 self._unregister_exit()
+
+    def _undo(self, replay: _Replay) -> None:
+        if replay.cast_out and not any(r.cast_out for r in self.replays) and self.slots.post_entry.get() is \
+                self.post_hook:
+            self.slots.post_entry.set(self.fsdp_post)
+        if replay.frame is not None:
+            frames = _frames()
+            if replay.frame in frames:
+                frames.remove(replay.frame)
+
+    def _drop_stale(self) -> None:
+        """Forget the replays an interrupt left behind (``KeyboardInterrupt`` skips ``always_call`` hooks).
+
+        The autograd engine put the autocast state (enabled, dtype) back when the interrupted backward unwound;
+        what it does not restore is repaired here: autocast's nesting count (so that the cast cache is still
+        cleared when the outermost autocast region ends) and, outside any region, the cache flag.
+        """
+        while self.replays:
+            replay = self.replays.pop()
+            self._undo(replay)
+            if replay.stack is None:
+                continue
+            if replay.thread != threading.get_ident():  # recomputed on an autograd worker thread: its counters
+                continue
+            nesting = -1
+            for _ in range(len(self.cover.device_types)):
+                nesting = torch.autocast_decrement_nesting()
+            if nesting == 0:
+                _clear_autocast_cache()
+                torch.set_autocast_cache_enabled(replay.cache_before)
+        if self.exit_handle is not None:
+            self.exit_handle.remove()
+            self.exit_handle = None
 
     def _unregister_exit(self) -> None:
         # nn.Module.__call__ runs forward hooks from a snapshot on its normal path, so the hook may remove
@@ -345,7 +450,7 @@ class _Module:
         covered module (see :func:`_register_forward_pre_hook`).
         """
         hooks = module._forward_pre_hooks
-        entry_key = self.slots.entry.key  # type: ignore[attr-defined]
+        entry_key = self.slots.entry.key
         lead_key = self.lead.id if self.lead is not None else None
         before = list(itertools.takewhile(lambda k: k != entry_key, hooks))
         if any(k != lead_key for k in before):
@@ -359,10 +464,12 @@ class _Module:
             self.lead = None
 
     def remove(self) -> None:
-        """Put FSDP's entry back and take the patch's hooks off the module."""
-        if self.slots.entry.get() is self.hook:
-            self.slots.entry.set(self.fsdp_entry)
-        else:  # pragma: no cover - someone replaced the entry after us: leave theirs
+        """Put FSDP's entries back and take the patch's hooks off the module."""
+        for slot, ours, theirs in ((self.slots.entry, self.hook, self.fsdp_entry),
+                                   (self.slots.post_entry, self.post_hook, self.fsdp_post)):
+            if slot.get() is ours:
+                slot.set(theirs)
+        if self.slots.entry.get() is not self.fsdp_entry:  # pragma: no cover - someone replaced it after us
             logger.warning("FSDP's pre-hook entry was replaced after fsdp_autocast_fix covered the module; "
                            "leaving it as it is")
         if self.lead is not None:
@@ -377,11 +484,27 @@ class _Module:
             self.exit_handle = None
 
 
+#: The casts FSDP does for a module sharded alone: its inputs and its output, every call.
+_ALL_CAST = (True, True)
+
+
+def _group_casts(state: Any, module: torch.nn.Module) -> tuple[bool, bool]:
+    """Whether FSDP's forward casts this call's inputs / output, for a module of ``fully_shard([a, b, ...])``.
+
+    In torch 2.5-2.12 the group's pre-hook runs ``_pre_forward`` (with the input cast) only for the module that
+    starts the group's pass, and ``_post_forward`` (with the output cast) only for the one that ends it. Read
+    before FSDP's hook runs: ``_modules_to_run_forward`` is empty for the first, holds just this module for the
+    last. (2.13+ casts every module's inputs and output, in the recompute too.)
+    """
+    to_run = state._modules_to_run_forward
+    return not to_run, len(to_run) == 1 and module in to_run
+
+
 class _Cover:
     """The patch on one FSDP state: its modules' hooks, and FSDP's casts where this torch skips them."""
 
-    __slots__ = ("state", "owner", "pre_backward", "device_types", "may_move", "fsdp_pre", "fsdp_post",
-                 "post_slots", "pre_slot", "swaps", "modules", "__weakref__")
+    __slots__ = ("state", "owner", "pre_backward", "device_types", "may_move", "modules_of_state", "modules",
+                 "__weakref__")
 
     def __init__(self, state: Any, slots: list[tuple[torch.nn.Module, _compat.HookSlots]], owner: str) -> None:
         self.state = state
@@ -390,64 +513,17 @@ class _Cover:
         device_type = state._device.type
         self.device_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
         self.may_move = device_type in _MOVING_DEVICE_TYPES
-        first = slots[0][1]
-        self.fsdp_pre = first.pre.get()
-        self.fsdp_post = first.post.get()
-        self.post_slots = list({id(s.post): s.post for _, s in slots}.values())  # a group shares one cell
-        self.pre_slot = first.pre if first.pre is not first.entry else None
-        self.swaps = 0
-        if self.pre_slot is not None:
-            self.pre_slot.set(self.pre_forward)
+        self.modules_of_state = [module for module, _ in slots]
         self.modules = [_Module(self, module, s) for module, s in slots]
 
     def casts(self) -> bool:
         """Whether the patch casts in FSDP's place in ``PRE_BACKWARD``."""
         return _internals().needs_cast_replay or _force
 
-    def pre_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """FSDP's ``_pre_forward``, then, in ``PRE_BACKWARD``, the input move and cast its forward did."""
-        state = self.state
-        if state._training_state is not self.pre_backward:
-            return self.fsdp_pre(module, args, kwargs)
-        args, kwargs = self.fsdp_pre(module, args, kwargs)
-        frames = _frames()
-        if frames and frames[-1].module is module and frames[-1].moved:  # no torch release replays this
-            args_tuple, kwargs_tuple = _internals().to_kwargs(args, kwargs, state._device, False)
-            args, kwargs = args_tuple[0], kwargs_tuple[0]
-        policy = state._mp_policy
-        if self.casts() and policy.cast_forward_inputs and policy.param_dtype is not None:
-            args, kwargs = _cast(policy.param_dtype, args), _cast(policy.param_dtype, kwargs)
-        return args, kwargs
-
-    def post_forward(self, module: torch.nn.Module, input: Any, output: Any) -> Any:
-        """FSDP's ``_post_forward``, then, in ``PRE_BACKWARD``, the output cast its forward did."""
-        output = self.fsdp_post(module, input, output)
-        dtype = self.state._mp_policy.output_dtype
-        if dtype is not None and self.state._training_state is self.pre_backward:
-            output = _cast(dtype, output)
-        return output
-
-    def swap_post(self) -> None:
-        if self.swaps == 0:
-            for slot in self.post_slots:
-                slot.set(self.post_forward)
-        self.swaps += 1
-
-    def unswap_post(self) -> None:
-        self.swaps -= 1
-        if self.swaps == 0:
-            for slot in self.post_slots:
-                slot.set(self.fsdp_post)
-
     def remove(self) -> None:
         """Take the patch off every module of the state; FSDP's hooks are as they were."""
         for module_cover in self.modules:
             module_cover.remove()
-        if self.swaps:
-            self.swaps = 1
-            self.unswap_post()
-        if self.pre_slot is not None:
-            self.pre_slot.set(self.fsdp_pre)
 
 
 @functools.wraps(torch.nn.Module.register_forward_pre_hook)
@@ -495,6 +571,8 @@ def _slots_of(state: Any) -> list[tuple[torch.nn.Module, _compat.HookSlots]]:
             raise _compat.UnsupportedTorchError(f"FSDPState.{name}", "missing on a sharded module's state")
     if not hasattr(state._state_ctx, "iter_forward_root"):
         raise _compat.UnsupportedTorchError("FSDPState._state_ctx.iter_forward_root", "missing")
+    if len(_compat.modules_of(state)) > 1 and not hasattr(state, "_modules_to_run_forward"):
+        raise _compat.UnsupportedTorchError("FSDPState._modules_to_run_forward", "missing on a grouped state")
     return [(module, _compat.hook_slots(state, module)) for module in _compat.modules_of(state)]
 
 

@@ -11,7 +11,7 @@ A cell is one value per dimension (:data:`DIMENSIONS`):
 * ``autocast``: CPU autocast bf16, fp16, off, or bf16 with its cast cache off;
 * ``backward``: inside the forward's autocast state or outside any;
 * ``history``: what runs between or around a forward and its recompute: nothing; an eval ``no_grad``
-  forward (no autocast) before the step; one inside the step's autocast region before its forward; one
+  forward (no autocast) before the step, on other data or on the step's own input; one inside the step's autocast region before its forward; one
   between forward and backward; two micro-batches each in its own autocast region, both forwards first,
   an eval forward between their backwards; two steps with an eval forward between them;
   ``backward(retain_graph=True)``, an eval forward, a second backward; two forwards under different
@@ -79,11 +79,11 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "precision": ("bf16_params", "fp32_params", "output_fp32", "no_input_cast"),
     "autocast": ("bf16", "fp16", "off", "bf16_no_cache"),
     "backward": ("inside", "outside"),
-    "history": ("none", "eval_before", "eval_in_region", "eval_between", "micro_batches", "eval_between_steps",
-                "retain_graph", "mixed_states", "same_region"),
+    "history": ("none", "eval_before", "eval_before_same_input", "eval_in_region", "eval_between", "micro_batches",
+                "eval_between_steps", "retain_graph", "mixed_states", "same_region"),
     "hooks": ("none", "pre_before", "pre_after", "pre_after_prepend", "post_before", "post_after",
               "post_after_bf16"),
-    "topology": ("root", "layers", "nested", "grouped"),
+    "topology": ("root", "layers", "nested", "grouped", "grouped_each"),
 }
 
 
@@ -121,10 +121,25 @@ class Cell:
             return False  # torch: the composable checkpoint's region starts in its own pre-hook, after this
             # hook in the forward, but its recompute runs the module call with every hook: never comparable
         if (self.frontend == "selective" and self.hooks in ("post_after", "post_after_bf16")
-                and self.topology != "root" and not _compat.load().needs_cast_replay):
-            return False  # torch 2.13+: FSDP's output cast in the recompute opens a profiler range, which
-            # selective checkpointing counts as an op; with a forward hook after FSDP's on a module inside
-            # the region the counts differ ("invocation index ... not found in storage"), stock or patched
+                and not _compat.load().needs_cast_replay):
+            return False  # torch 2.13+: FSDP's output cast in the recompute runs ops (a profiler range, a copy)
+            # that selective checkpointing counts; with a forward hook after FSDP's the recompute's op sequence
+            # differs from the forward's ("... not found in storage"), stock or patched
+        if (self.history == "mixed_states" and self.frontend not in REENTRANT + ("none",)
+                and not _recompute_unshards()):
+            return False  # torch before ~2.8: a module run twice before one backward finds its parameters
+            # resharded in its recompute ("mixed torch.Tensor and DTensor"), stock or patched
+        if self.topology == "grouped_each" and self.frontend in REENTRANT:
+            return False  # torch: FSDP runs a group's hooks for the pass of all its modules; a reentrant
+            # recompute of one of them alone leaves the other's parameters sharded ("mixed torch.Tensor and
+            # DTensor"), stock or patched
+        if (self.topology == "grouped_each" and self.precision == "output_fp32" and self.hooks.startswith("post_after")
+                and _compat.load().needs_cast_replay):
+            return False  # torch 2.5-2.12: a forward hook after FSDP's that saves tensors makes the recompute of
+            # one module of the group run before its pre-backward hook, as a forward of its own, and FSDP's group
+            # closure then casts that module's output, which it did not in the group's forward, stock or patched
+        if self.frontend == "deepspeed" and self.history == "retain_graph":
+            return False  # DeepSpeed's reentrant checkpoint frees its saved inputs in the first backward
         if self.frontend.startswith("deepspeed") and not deepspeed_available():
             return False
         return True
@@ -175,6 +190,17 @@ if deepspeed_available():
         "deepspeed_non_reentrant_checkpoint_backward_outside_autocast":
             (Cell("deepspeed_non_reentrant", "fp32_params", "bf16", "outside", "none", "none", "root"), "broken"),
     })
+
+
+@functools.lru_cache(maxsize=None)
+def _recompute_unshards() -> bool:
+    """Whether this torch's FSDP unshards the parameters again in a recompute (``_pre_forward`` in
+    ``PRE_BACKWARD``), which a module run twice before one backward needs."""
+    import inspect
+
+    source = inspect.getsource(inspect.unwrap(_compat.load().fsdp_state_cls._pre_forward))
+    branch = source[source.index("TrainingState.PRE_BACKWARD"):]
+    return "unshard" in branch[: branch.index("return")]
 
 
 def all_cells() -> list[Cell]:
@@ -244,7 +270,7 @@ class Stack(nn.Module):
 def _build(topology: str) -> nn.Module:
     if topology == "root":
         return Block()
-    if topology == "layers":
+    if topology in ("layers", "grouped_each"):
         return Stack([Block(), Block()])
     if topology == "nested":
         return Stack([Outer(), Outer()])
@@ -266,6 +292,10 @@ def _shard(model: nn.Module, topology: str, fully_shard: Callable[..., Any], pol
         fully_shard(model, mp_policy=policy)
         return [model]
     sharded: list[nn.Module] = []
+    if topology == "grouped_each":  # fully_shard([a, b]), a checkpoint around each
+        fully_shard(list(model.units), mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return list(model.units) + [model]
     for unit in model.units:
         if topology == "nested":
             fully_shard(unit.sub, mp_policy=policy)
@@ -416,13 +446,13 @@ def _step(cell: Cell, forward: Callable[[torch.Tensor], torch.Tensor], model: nn
     inside = cell.backward == "inside"
     x, x2, x_eval = inputs
 
-    def eval_forward(autocast: bool = False) -> None:
+    def eval_forward(data: torch.Tensor | None = None, autocast: bool = False) -> None:
         run = getattr(model, "run", None)
         try:
             if run is not None:
                 model.run = lambda unit, h: unit(h)  # an eval pass: the model's own calls, no checkpoint
             with torch.no_grad(), contextlib.nullcontext() if autocast else torch.autocast("cpu", enabled=False):
-                model(x_eval)
+                model(x_eval if data is None else data)
         finally:
             if run is not None:
                 model.run = run
@@ -434,6 +464,8 @@ def _step(cell: Cell, forward: Callable[[torch.Tensor], torch.Tensor], model: nn
     history = cell.history
     if history == "eval_before":
         eval_forward()
+    if history == "eval_before_same_input":
+        eval_forward(x)
     if history in ("micro_batches", "mixed_states"):
         with ac():
             out = forward(x)
@@ -561,6 +593,8 @@ def _hookable(model: nn.Module, topology: str) -> list[nn.Module]:
     """The modules that get (or would get) FSDP state, in sharding order: where user hooks go."""
     if topology == "root":
         return [model]
+    if topology == "grouped_each":
+        return list(model.units) + [model]
     modules: list[nn.Module] = []
     for unit in model.units:
         modules += [unit.sub, unit] if topology == "nested" else list(unit) if topology == "grouped" else [unit]
@@ -573,7 +607,7 @@ def _fsdp1(model: nn.Module, topology: str) -> nn.Module:
 
     if topology != "root":
         for i, unit in enumerate(model.units):
-            model.units[i] = FSDP(unit, device_id=torch.device("cpu"), use_orig_params=True)
+            model.units[i] = FSDP(unit, device_id=torch.device("cpu"), use_orig_params=True)  # type: ignore[index]
     return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
 
 

@@ -185,3 +185,152 @@ def test_preserve_autocast_same_signature_behaviour_and_errors() -> None:
         fixed(42, x, use_reentrant=False)
     with pytest.raises(ValueError, match="from the function"):
         fixed(lambda t: (_ for _ in ()).throw(ValueError("from the function")), x, use_reentrant=False)
+
+
+# -- found by review: cases outside the generated dimensions ----------------------------------------
+
+
+def _two_blocks(fully_shard: Callable[..., Any], **policy: Any) -> nn.Module:
+    policy_cls = _compat.fsdp_package().MixedPrecisionPolicy
+    model = nn.Module()
+    model.a, model.b = G.Block(), G.Block()
+    fully_shard(model.a, mp_policy=policy_cls(**policy))
+    fully_shard(model.b, mp_policy=policy_cls(**policy))
+    fully_shard(model, mp_policy=policy_cls(**policy))
+    return model
+
+
+def _run_two(mode: str, region: Callable[[nn.Module, torch.Tensor], torch.Tensor], use_checkpoint: bool,
+             checkpoint_fn: Callable[..., Any], cache: bool = True) -> G.Result:
+    torch.manual_seed(0)
+    with G._mode(mode) as fully_shard:
+        model = _two_blocks(fully_shard)
+        if mode == "late_apply":
+            fsdp_autocast_fix.apply()
+        x = torch.randn(4, G.DIM, requires_grad=True)
+        try:
+            with torch.autocast("cpu", dtype=G.BF16, cache_enabled=cache):
+                out = checkpoint_fn(lambda h: region(model, h), x) if use_checkpoint else region(model, x)
+            out.float().pow(2).sum().backward()
+        except Exception as e:
+            return G.Result(error=e)
+    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in model.parameters()])
+
+
+def _b_in_fp32(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    h = model.a(x)
+    with torch.autocast("cpu", enabled=False):  # "this part in fp32", inside the checkpointed region
+        return model.b(h.float())
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_region_that_sets_autocast_itself_is_left_alone(reentrant: bool) -> None:
+    """A later sharded call of a region follows the region's first call only while the region has not changed
+    autocast itself: torch's checkpoint restored the state, and the function's own ``autocast(enabled=False)``
+    is the forward's state for ``b``."""
+    ckpt = lambda f, x: checkpoint(f, x, use_reentrant=reentrant)  # noqa: E731
+    truth = _run_two("stock", _b_in_fp32, False, ckpt, cache=False)
+    assert _run_two("stock", _b_in_fp32, True, ckpt).verdict(truth) == "bitwise"  # stock is right here
+    for mode in G.PATCHED_MODES:
+        assert _run_two(mode, _b_in_fp32, True, ckpt).verdict(truth) == "bitwise", mode
+
+
+class _Queries(nn.Module):
+    """A block fed a parameter of the root (learned queries): no call-specific tensor to record a call under."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(4, G.DIM))
+        self.block = G.Block()
+
+    def forward(self, use_checkpoint: bool) -> torch.Tensor:
+        return _no_restore(self.block, self.query) if use_checkpoint else self.block(self.query)
+
+
+def _run_queries(mode: str, use_checkpoint: bool, cache: bool = True, steps: int = 2) -> list[G.Result]:
+    torch.manual_seed(0)
+    policy_cls = _compat.fsdp_package().MixedPrecisionPolicy
+    results = []
+    with G._mode(mode) as fully_shard:
+        model = _Queries()
+        fully_shard(model.block, mp_policy=policy_cls())
+        fully_shard(model, mp_policy=policy_cls())
+        if mode == "late_apply":
+            fsdp_autocast_fix.apply()
+        with torch.no_grad():
+            model(False)  # an eval pass, autocast off, before training
+        for _ in range(steps):
+            for p in model.parameters():
+                p.grad = None
+            with torch.autocast("cpu", dtype=G.BF16, cache_enabled=cache):
+                out = model(use_checkpoint)
+            out.float().pow(2).sum().backward()
+            results.append(G.Result(grads=[G._full(p.grad) for p in model.parameters()]))
+    return results
+
+
+def test_call_with_only_a_parameter_replays_the_latest_such_call() -> None:
+    truth = _run_queries("stock", False, cache=False)
+    assert any(r.verdict(t) != "bitwise" for r, t in zip(_run_queries("stock", True), truth))  # positive control
+    for mode in G.PATCHED_MODES:
+        assert all(r.verdict(t) == "bitwise" for r, t in zip(_run_queries(mode, True), truth)), mode
+
+
+def test_eval_on_the_same_input_between_forward_and_recompute_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """The same input under two states before one recompute cannot be told apart: one warning, a documented rule."""
+    fully_shard, policy_cls = _compat.fsdp_package().fully_shard, _compat.fsdp_package().MixedPrecisionPolicy
+    fsdp_autocast_fix.apply()
+    block = G.Block()
+    fully_shard(block, mp_policy=policy_cls())
+    x = torch.randn(4, G.DIM, requires_grad=True)
+    with caplog.at_level("WARNING", logger="fsdp_autocast_fix"):
+        with torch.autocast("cpu", dtype=G.BF16):
+            out = _no_restore(block, x)
+        with torch.no_grad():
+            block(x)
+        out.float().pow(2).sum().backward()
+    assert [r.getMessage() for r in caplog.records if "same input under 2 autocast states" in r.getMessage()]
+
+
+def test_the_cast_cache_is_dropped_also_when_only_the_layers_are_covered() -> None:
+    """patched_fully_shard on the layers, plain fully_shard on the root (torchtitan's layout): an eval forward in
+    the training's autocast region must not cost the layers their parameter gradients (pytorch issue 158232)."""
+    def run(patch_layers: bool, cache: bool = True) -> G.Result:
+        torch.manual_seed(0)
+        fsdp = _compat.fsdp_package()
+        model = G.Stack([G.Block(), G.Block()])
+        for unit in model.units:
+            (fsdp_autocast_fix.patched_fully_shard if patch_layers else fsdp.fully_shard)(
+                unit, mp_policy=fsdp.MixedPrecisionPolicy())
+        fsdp.fully_shard(model, mp_policy=fsdp.MixedPrecisionPolicy())
+        x = torch.randn(4, G.DIM, requires_grad=True)
+        with torch.autocast("cpu", dtype=G.BF16, cache_enabled=cache):
+            with torch.no_grad():
+                model(torch.randn(4, G.DIM))
+            model(x).float().pow(2).sum().backward()
+        return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in model.parameters()])
+
+    truth = run(False, cache=False)
+    assert run(False).verdict(truth) != "bitwise"  # positive control: parameter gradients None
+    assert run(True).verdict(truth) == "bitwise"
+
+
+def test_unsharded_parameters_around_a_sharded_block_keep_their_gradient_bits() -> None:
+    """The cast cache is dropped only where FSDP's casts are stale: an unsharded layer used before and after a
+    sharded block in one autocast region keeps the shared cached cast, as in plain PyTorch."""
+    def run(mode: str, shard: bool = True) -> G.Result:
+        torch.manual_seed(0)
+        proj, block = nn.Linear(G.DIM, G.DIM), G.Block()
+        with G._mode(mode) as fully_shard:
+            if shard:
+                fully_shard(block, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
+            x = torch.randn(4, G.DIM, requires_grad=True)
+            with torch.autocast("cpu", dtype=G.BF16):
+                out = proj(block(proj(x)))
+            out.float().pow(2).sum().backward()
+        return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in (*proj.parameters(),
+                                                                              *block.parameters())])
+
+    plain = run("stock", shard=False)
+    for mode in ("stock",) + G.PATCHED_MODES[:1] + G.PATCHED_MODES[2:]:
+        assert run(mode).verdict(plain) == "bitwise", mode

@@ -160,3 +160,70 @@ def test_patched_fully_shard_on_non_modules() -> None:
         with pytest.raises(type(stock.value)):
             fsdp_autocast_fix.patched_fully_shard(bad)
     assert not _patch._covers
+
+
+class InterruptedOnce(S.GeluLinear):
+    armed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed and torch._C._current_graph_task_id() != -1:
+            self.armed = False
+            raise KeyboardInterrupt("Ctrl-C during the recompute")
+        return super().forward(x)
+
+
+def _interrupted(patched: bool) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    """A model whose replayed recompute was interrupted by a KeyboardInterrupt (Ctrl-C during backward)."""
+    fully_shard, policy_cls = S._fsdp()
+    if patched:
+        fsdp_autocast_fix.apply()
+    torch.manual_seed(0)
+    layer, after = InterruptedOnce(), S.GeluLinear()
+    fully_shard(layer, mp_policy=policy_cls())
+    fully_shard(after, mp_policy=policy_cls())
+    x = torch.randn(4, S.DIM, requires_grad=True)
+    with torch.autocast("cpu", dtype=S.BF16):
+        out = S.RecomputeWithoutAutocast.apply(layer, x)
+    with pytest.raises(KeyboardInterrupt):
+        out.float().sum().backward()
+    x.grad = None
+    return layer, after, x
+
+
+def test_a_keyboard_interrupt_in_the_recompute_leaves_nothing_behind_at_the_next_call() -> None:
+    """``always_call`` hooks do not run for a ``KeyboardInterrupt``: the module's next call forgets the replay it
+    left behind and restores the autocast state the replay had entered (nothing was entered on top of it)."""
+    def run(patched: bool) -> tuple[list[bool], S.Result]:
+        layer, after, x = _interrupted(patched)
+        seen = [torch.is_autocast_enabled("cpu")]
+        with torch.no_grad():
+            layer(x)  # the next call: an eval forward, no autocast
+        seen.append(torch.is_autocast_enabled("cpu"))
+        with torch.autocast("cpu", dtype=S.BF16):
+            loss = after(layer(x)).float().sum()
+        loss.backward()
+        fsdp_autocast_fix.remove()
+        return seen, S.Result(grads=[x.grad] + [p.grad.full_tensor() for p in after.parameters()])
+
+    stock_seen, stock = run(False)
+    seen, patched = run(True)
+    assert seen == stock_seen == [False, False]  # the engine restored it as the backward unwound
+    assert patched.same_as(stock)
+    assert _nesting() == 0  # and the patch its nesting count: the cast cache is cleared at region ends again
+    assert not _patch._frames()
+    assert not any(m.replays for cover in list(_patch._covers.values()) for m in cover.modules)
+
+
+def _nesting() -> int:
+    nesting = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return nesting
+
+
+def test_a_keyboard_interrupt_then_a_new_autocast_region() -> None:
+    """The next call inside a new region: the user's state stands; the count is right once the region ends."""
+    layer, after, x = _interrupted(True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        layer(x)
+        assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == (True, torch.float16)
+    assert not torch.is_autocast_enabled("cpu") and _nesting() == 0
