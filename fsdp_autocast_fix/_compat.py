@@ -159,7 +159,6 @@ def load() -> Internals:
             raise UnsupportedTorchError(label, repr(e)) from None
     if "always_call" not in inspect.signature(torch.nn.Module.register_forward_hook).parameters:
         raise UnsupportedTorchError("nn.Module.register_forward_hook(always_call=...)", "missing")
-    _check_storage_attributes()
 
     package = fsdp_package()
     fully_shard = package.fully_shard
@@ -203,20 +202,6 @@ def load() -> Internals:
                                       "Variable._execution_engine.queue_callback"),
         needs_cast_replay=_probe_cast_replay(state_cls, pre_backward, mp_policy_cls),
     )
-
-
-def _check_storage_attributes() -> None:
-    """The patch keys each forward call's record on its input's storage: check that the storage's Python object
-    keeps an attribute for as long as the storage lives, and that ``detach()`` (how reentrant-style checkpoints
-    hand the saved inputs to the recompute) shares it."""
-    x = torch.zeros(2)
-    try:
-        x.untyped_storage()._fsdp_autocast_fix_probe = True  # type: ignore[attr-defined]
-        kept = getattr(x.detach().untyped_storage(), "_fsdp_autocast_fix_probe", False)
-    except (AttributeError, RuntimeError, TypeError) as e:
-        raise UnsupportedTorchError("Tensor.untyped_storage() attributes", repr(e)) from None
-    if not kept:
-        raise UnsupportedTorchError("Tensor.untyped_storage()", "does not keep its Python object across detach()")
 
 
 def _forward_hooks_snapshot() -> bool:

@@ -70,17 +70,12 @@ _clear_autocast_cache = torch.clear_autocast_cache
 _ALL_OFF = "all-off"
 #: Device types whose forward root FSDP moves inputs to (``FSDPState._root_pre_forward``).
 _MOVING_DEVICE_TYPES = frozenset({"cuda", "hpu", "xpu", "mtia", torch._C._get_privateuse1_backend_name()})
-#: Attribute on an input storage's Python object: ``{(cover key, offset, numel): (version, states)}``.
-_CALLS = "_fsdp_autocast_fix_calls"
-#: Records kept per storage: the oldest goes first (a long-lived buffer sliced anew for every call).
-_MAX_CALLS_PER_STORAGE = 256
 
 _lock = threading.RLock()
 #: id(state) -> _Cover. A cover keeps its state (and so the modules) alive, and the modules' hook dicts,
 #: which hold the patch's hooks, keep the cover alive: an entry goes when the model is freed, and the id
 #: cannot be reused meanwhile.
 _covers: weakref.WeakValueDictionary[int, _Cover] = weakref.WeakValueDictionary()
-_keys = itertools.count(1)
 _applied = False
 _force = False
 _init_wrapper: Any = None
@@ -109,6 +104,8 @@ def _capture(device_types: tuple[str, ...]) -> Any:
 
 
 def _capture_enabled(device_types: tuple[str, ...]) -> Any:
+    if len(device_types) == 1:  # CPU alone: the common case, spelled out
+        return ((_is_autocast_enabled("cpu"), _get_autocast_dtype("cpu")),), _is_autocast_cache_enabled()
     per_device = tuple([(_is_autocast_enabled(d), _get_autocast_dtype(d)) for d in device_types])
     return per_device, _is_autocast_cache_enabled()
 
@@ -130,6 +127,11 @@ def _enter(captured: Any, device_types: tuple[str, ...]) -> contextlib.ExitStack
     return stack
 
 
+def _where(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """The memory ``x`` views, and its version: equal for a tensor and its ``detach()``."""
+    return x.untyped_storage()._cdata, x.storage_offset(), x.numel(), x._version
+
+
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """The tensor a call is recorded under: its first positional tensor, else its first keyword tensor.
 
@@ -138,6 +140,12 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
         if isinstance(value, _Tensor) and not isinstance(value, torch.nn.Parameter):
             return value
     return None
+
+
+class _Ref(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a recorded input that knows its record's key."""
+
+    __slots__ = ("key",)
 
 
 class _Frame:
@@ -181,16 +189,24 @@ def _drop_cached_casts() -> None:
 class _Module:
     """The patch's hooks on one module of a covered state."""
 
-    __slots__ = ("cover", "key", "slots", "fsdp_entry", "fsdp_post", "hook", "post_hook", "grouped", "lead",
-                 "replays", "exit_handle", "last", "unkeyed", "warned", "pass_epoch", "__weakref__")
+    __slots__ = ("cover", "state", "pre_backward", "device_types", "may_move", "grouped", "varies", "plain_call",
+                 "slots", "fsdp_entry", "fsdp_post", "hook", "post_hook", "lead", "calls", "forget", "replays",
+                 "exit_handle", "last", "unkeyed", "warned", "pass_epoch", "__weakref__")
 
     def __init__(self, cover: _Cover, module: torch.nn.Module, slots: _compat.HookSlots) -> None:
         self.cover = cover
-        self.key = next(_keys)  # never reused, unlike id(): records of a removed cover stay unmatched
+        self.state, self.pre_backward = cover.state, cover.pre_backward
+        self.device_types, self.may_move = cover.device_types, cover.may_move
+        self.grouped = len(cover.modules_of_state) > 1
+        self.varies = self.grouped or self.may_move  # else a call without autocast is always recorded alike
+        self.plain_call = (_ALL_OFF, False) + _ALL_CAST
+        #: id(input) -> (weak reference to the input, its version, the calls recorded for it): a record lives as
+        #: long as its input (while a checkpoint holds it for the recompute) and no longer.
+        self.calls: dict[int, tuple[_Ref, int, tuple[Any, ...]]] = {}
+        self.forget = self._forget
         self.slots = slots
         self.fsdp_entry = slots.entry.get()  # FSDP's pre-hook entry: its bound _pre_forward, or a group closure
         self.fsdp_post = slots.post_entry.get()  # FSDP's forward-hook entry, likewise
-        self.grouped = len(cover.modules_of_state) > 1
         self.lead: Any = None  # handle of the lead pre-hook, while user pre-hooks run before FSDP's
         self.replays: list[_Replay] = []
         self.exit_handle: Any = None
@@ -208,28 +224,52 @@ class _Module:
     def entry(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """In the place of FSDP's pre-hook entry: record or replay (unless the lead did), then FSDP's pre-hook."""
         if self.lead is None:
-            self.begin(module, args, kwargs)
+            state = self.state
+            if state._training_state is self.pre_backward or _graph_task_id() != -1:
+                self._begin_recompute(module, args, kwargs)
+            else:
+                self._record(state, module, args, kwargs)
         result = self.fsdp_entry(module, args, kwargs)
         if self.replays and self.replays[-1].pre_pending:
             return self._pre_casts(args, kwargs, result)
         return result
 
-    def lead_hook(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """First of all pre-hooks, while user pre-hooks run before FSDP's: record or replay there."""
-        self.begin(module, args, kwargs)
-
     def begin(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Record an ordinary call; start the replay of a recompute."""
-        cover = self.cover
-        state = cover.state
-        if state._training_state is cover.pre_backward or _graph_task_id() != -1:
+        """Record an ordinary call or start the replay of a recompute; the lead pre-hook, while user pre-hooks
+        run before FSDP's (the entry does the same itself otherwise)."""
+        state = self.state
+        if state._training_state is self.pre_backward or _graph_task_id() != -1:
             self._begin_recompute(module, args, kwargs)
-            return
+        else:
+            self._record(state, module, args, kwargs)
+
+    def _record(self, state: Any, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An ordinary call: record what its recompute must replay (the hot path)."""
         if self.replays:  # left by an interrupted recompute (KeyboardInterrupt skips always_call hooks)
             self._drop_stale()
+        call = self._call(state, module) if self.varies or _any_autocast_enabled() else self.plain_call
+        self.last = call
+        x = args[0] if args and type(args[0]) is _Tensor else _first_tensor(args, kwargs)
+        if x is None:  # nothing to key on: an unidentified recompute of a call like this replays the latest
+            self.unkeyed = call
+            return
+        key = id(x)
+        seen = self.calls.get(key)
+        if seen is not None and seen[0]() is x and seen[1] == x._version:  # the same input again
+            if seen[2][-1] != call:  # in another state: keep each state once, latest last
+                self.calls[key] = (seen[0], seen[1], tuple(c for c in seen[2] if c != call) + (call,))
+            return
+        if _is_inference_mode_enabled():  # a call that is never recomputed
+            return
+        ref = _Ref(x, self.forget)
+        ref.key = key
+        self.calls[key] = (ref, x._version, (call,))
+
+    def _call(self, state: Any, module: torch.nn.Module) -> tuple[Any, ...]:
+        """The record of a call under autocast, or of a module whose record depends on the call."""
         root = state._state_ctx.iter_forward_root is None  # this call starts a forward pass
         if _any_autocast_enabled():
-            now = _capture_enabled(cover.device_types)
+            now = _capture_enabled(self.device_types)
             if now[1]:  # the cast cache is on
                 if not _is_grad_enabled():
                     _cache[1] = True
@@ -240,44 +280,38 @@ class _Module:
                         self.pass_epoch = _cache[0]
         else:
             now = _ALL_OFF
-        call = (now, cover.may_move and root) + (_group_casts(state, module) if self.grouped else _ALL_CAST)
-        self.last = call
-        if _is_inference_mode_enabled():  # a call that is never recomputed
-            return
-        x = args[0] if args and type(args[0]) is _Tensor else _first_tensor(args, kwargs)
-        if x is None:  # nothing to key on: an unidentified recompute of a call like this replays the latest
-            self.unkeyed = call
-            return
-        try:
-            storage = x.untyped_storage()
-            key = (self.key, x.storage_offset(), x.numel())
-            version = x._version
-        except (RuntimeError, NotImplementedError, TypeError):  # a tensor without a storage of its own
-            return
-        calls = getattr(storage, _CALLS, None)
-        if calls is None:
-            calls = {}
-            setattr(storage, _CALLS, calls)
-        seen = calls.get(key)
-        if seen is None or seen[0] != version:
-            calls[key] = (version, (call,))
-            if len(calls) > _MAX_CALLS_PER_STORAGE:
-                del calls[next(iter(calls))]
-        elif seen[1][-1] != call:  # the same input again, in another state: keep each state once, latest last
-            calls[key] = (version, tuple(c for c in seen[1] if c != call) + (call,))
+        if self.grouped:
+            return (now, self.may_move and root, *_group_casts(state, module))
+        return now, self.may_move and root, True, True
+
+    def _forget(self, ref: _Ref) -> None:
+        """A recorded input was freed: its record goes with it."""
+        seen = self.calls.get(ref.key)
+        if seen is not None and seen[0] is ref:
+            del self.calls[ref.key]
 
     # -- recompute ------------------------------------------------------------------------------------
 
     def _lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-        """The calls recorded for the forward call whose inputs these are, or None."""
+        """The calls recorded for the forward call whose inputs these are, or None.
+
+        The very input (``torch.utils.checkpoint`` passes it back), else a recorded input that shares its storage,
+        offset, size and version (a ``detach()`` of it, as reentrant-style checkpoints pass)."""
         x = _first_tensor(args, kwargs)
         if x is None:
             return None
+        seen = self.calls.get(id(x))
+        if seen is not None and seen[0]() is x:
+            return seen[2] if seen[1] == x._version else None
         try:
-            calls = getattr(x.untyped_storage(), _CALLS, None)
-            seen = calls and calls.get((self.key, x.storage_offset(), x.numel()))
-            return seen[1] if seen and seen[0] == x._version else None
-        except (RuntimeError, NotImplementedError, TypeError):
+            where = _where(x)
+            found: tuple[Any, ...] = ()
+            for ref, version, calls in list(self.calls.values()):
+                recorded = ref()
+                if recorded is not None and version == recorded._version and _where(recorded) == where:
+                    found += tuple(c for c in calls if c not in found)
+            return found or None
+        except (RuntimeError, NotImplementedError, TypeError):  # a tensor without a storage of its own
             return None
 
     def _choose(self, module: torch.nn.Module, calls: tuple[Any, ...] | None, now: Any) -> Any:
@@ -455,7 +489,7 @@ class _Module:
         before = list(itertools.takewhile(lambda k: k != entry_key, hooks))
         if any(k != lead_key for k in before):
             if self.lead is None:
-                self.lead = _nn_register_forward_pre_hook(module, _eager(self.lead_hook), prepend=True,
+                self.lead = _nn_register_forward_pre_hook(module, _eager(self.begin), prepend=True,
                                                           with_kwargs=True)
             elif next(iter(hooks)) != lead_key:
                 hooks.move_to_end(lead_key, last=False)
