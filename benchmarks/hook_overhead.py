@@ -1,12 +1,13 @@
 """Hook overhead: what the patch adds to a sharded module's call, stock vs patched, interleaved in one process.
 
-World size 1, gloo, CPU. Two identical sharded modules with a tiny forward, one stock, one covered
-(``patched_fully_shard``); batches of calls alternate A, B, A, B ... and the median ns per call of each is
-reported, with grad disabled and enabled. FSDP2's own hook time is the stock call minus the same module
-unsharded. The patch's own work (the record of an ordinary call; the start and end of a replayed recompute,
+World size 1, gloo, CPU. One sharded module with a tiny forward, called in blocks of calls that alternate
+between stock and patched (``apply()`` before the block, ``remove()`` after it, a few untimed calls first), the
+order flipped every round; the added time is the median of the paired differences (patched block minus the
+stock block beside it), which cancels the machine's drift. Without and with autocast (bf16), grad disabled and
+enabled. FSDP2's own hook time is the stock call minus the same module unsharded. The patch's own work (the record of an ordinary call; the start and end of a replayed recompute,
 with the state set to ``PRE_BACKWARD`` and autocast to replay) is also timed on its methods directly.
 
-JSON keys: ``torch``, ``grad`` (``off``/``on``), ``unsharded_ns``, ``stock_ns``, ``patched_ns``,
+JSON keys: ``torch``, ``grad`` (``off``/``on``), ``autocast`` (``off``/``bf16``), ``unsharded_ns``, ``stock_ns``, ``patched_ns``,
 ``fsdp_hook_ns`` (stock - unsharded), ``added_ns`` (patched - stock), ``added_over_fsdp_hook`` (the
 target is <= 0.01), ``ratio`` (patched / stock); and for the paths measured on the hooks directly,
 ``path`` (``ordinary``, ``ordinary-autocast``, ``recompute``), ``ns_per_call``, ``over_fsdp_hook``.
@@ -42,12 +43,23 @@ def _per_call_ns(module: nn.Module, x: torch.Tensor, calls: int) -> float:
     return (time.perf_counter_ns() - start) / calls
 
 
-def _interleaved(modules: dict[str, nn.Module], x: torch.Tensor, rounds: int, calls: int) -> dict[str, float]:
-    samples: dict[str, list[float]] = {name: [] for name in modules}
-    for _ in range(rounds):
-        for name, module in modules.items():
-            samples[name].append(_per_call_ns(module, x, calls))
-    return {name: statistics.median(v) for name, v in samples.items()}
+def _paired(module: nn.Module, unsharded: nn.Module, x: torch.Tensor, rounds: int, calls: int) -> dict[str, float]:
+    """Stock and patched blocks of calls on the same module, side by side; medians and the paired difference."""
+    stock, patched, plain, diffs = [], [], [], []
+    for i in range(rounds):
+        pair = {}
+        for variant in (("stock", "patched") if i % 2 == 0 else ("patched", "stock")):
+            if variant == "patched":
+                fsdp_autocast_fix.apply()
+            _per_call_ns(module, x, 10)  # untimed: the first calls after a change
+            pair[variant] = _per_call_ns(module, x, calls)
+            fsdp_autocast_fix.remove()
+        stock.append(pair["stock"])
+        patched.append(pair["patched"])
+        diffs.append(pair["patched"] - pair["stock"])
+        plain.append(_per_call_ns(unsharded, x, calls))
+    return {"stock": statistics.median(stock), "patched": statistics.median(patched),
+            "unsharded": statistics.median(plain), "added": statistics.median(diffs)}
 
 
 def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str, Any]]:
@@ -86,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     """Measure and print (or write) the overhead table."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--json")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
@@ -99,22 +111,23 @@ def main(argv: list[str] | None = None) -> int:
     fsdp = _compat.fsdp_package()
     policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     torch.manual_seed(0)
-    modules = {"unsharded": nn.Linear(8, 8), "stock": nn.Linear(8, 8), "patched": nn.Linear(8, 8)}
-    fsdp.fully_shard(modules["stock"], mp_policy=policy)
-    fsdp_autocast_fix.patched_fully_shard(modules["patched"], mp_policy=policy)
+    unsharded, module = nn.Linear(8, 8), nn.Linear(8, 8)
+    fsdp.fully_shard(module, mp_policy=policy)
     x = torch.randn(2, 8)
     results: list[dict[str, Any]] = []
-    for grad in ("off", "on"):
-        with torch.set_grad_enabled(grad == "on"):
-            _interleaved(modules, x, 2, calls)  # warm-up
-            m = _interleaved(modules, x, rounds, calls)
-        fsdp_hook = m["stock"] - m["unsharded"]
-        added = m["patched"] - m["stock"]
-        results.append({"torch": torch.__version__, "grad": grad, "unsharded_ns": m["unsharded"],
-                        "stock_ns": m["stock"], "patched_ns": m["patched"], "fsdp_hook_ns": fsdp_hook,
-                        "added_ns": added, "added_over_fsdp_hook": added / fsdp_hook,
-                        "ratio": m["patched"] / m["stock"]})
-    direct = _hooks_directly(modules["patched"], rounds, calls)
+    for autocast in ("off", "bf16"):
+        for grad in ("off", "on"):
+            with torch.set_grad_enabled(grad == "on"), torch.autocast("cpu", dtype=torch.bfloat16,
+                                                                      enabled=autocast == "bf16"):
+                _paired(module, unsharded, x, 2, calls)  # warm-up
+                m = _paired(module, unsharded, x, rounds, calls)
+            fsdp_hook = m["stock"] - m["unsharded"]
+            results.append({"torch": torch.__version__, "grad": grad, "autocast": autocast,
+                            "unsharded_ns": m["unsharded"], "stock_ns": m["stock"], "patched_ns": m["patched"],
+                            "fsdp_hook_ns": fsdp_hook, "added_ns": m["added"],
+                            "added_over_fsdp_hook": m["added"] / fsdp_hook, "ratio": m["patched"] / m["stock"]})
+    covered = fsdp_autocast_fix.patched_fully_shard(nn.Linear(8, 8), mp_policy=policy)
+    direct = _hooks_directly(covered, rounds, calls)
     fsdp_hook = statistics.mean(r["fsdp_hook_ns"] for r in results)
     for r in direct:
         r["over_fsdp_hook"] = r["ns_per_call"] / fsdp_hook
@@ -122,12 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results + direct, f, indent=1)
-    print("| grad | unsharded ns | stock ns | patched ns | FSDP hooks ns | added ns | added / FSDP hooks "
-          "| patched/stock |")
+    print("| autocast | grad | unsharded ns | stock ns | patched ns | FSDP hooks ns | added ns (paired median) "
+          "| added / FSDP hooks |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['grad']} | {r['unsharded_ns']:.0f} | {r['stock_ns']:.0f} | {r['patched_ns']:.0f} | "
-              f"{r['fsdp_hook_ns']:.0f} | {r['added_ns']:.0f} | {r['added_over_fsdp_hook']:.2%} | {r['ratio']:.4f} |")
+        print(f"| {r['autocast']} | {r['grad']} | {r['unsharded_ns']:.0f} | {r['stock_ns']:.0f} | "
+              f"{r['patched_ns']:.0f} | {r['fsdp_hook_ns']:.0f} | {r['added_ns']:.0f} | "
+              f"{r['added_over_fsdp_hook']:.2%} |")
     print()
     print(f"| the patch's own work, called directly | ns per call | of FSDP2's hook time ({fsdp_hook:.0f} ns) |")
     print("|---|---|---|")

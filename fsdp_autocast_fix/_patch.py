@@ -190,7 +190,8 @@ class _Module:
     """The patch's hooks on one module of a covered state."""
 
     __slots__ = ("cover", "state", "pre_backward", "device_types", "may_move", "grouped", "varies", "plain_call",
-                 "slots", "fsdp_entry", "fsdp_post", "hook", "post_hook", "lead", "calls", "forget", "replays",
+                 "slots", "fsdp_entry", "fsdp_post", "hook", "post_hook", "exit_hook", "lead", "calls", "forget",
+                 "replays",
                  "exit_handle", "last", "unkeyed", "warned", "pass_epoch", "__weakref__")
 
     def __init__(self, cover: _Cover, module: torch.nn.Module, slots: _compat.HookSlots) -> None:
@@ -216,6 +217,7 @@ class _Module:
         self.pass_epoch = -1  # the autocast-cache epoch in which this module last started a forward pass
         self.hook = _eager(self.entry)  # as FSDP's own hooks: torch.compile runs it eagerly, never traces it
         self.post_hook = _eager(self.post_forward)
+        self.exit_hook = _eager(self.exit)
         slots.entry.set(self.hook)
         self._place_lead(module)
 
@@ -388,7 +390,7 @@ class _Module:
         if cast_out:
             self.slots.post_entry.set(self.post_hook)
         if self.exit_handle is None:
-            self.exit_handle = module.register_forward_hook(_eager(self.exit), always_call=True)
+            self.exit_handle = module.register_forward_hook(self.exit_hook, always_call=True)
 
     def _pre_casts(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> Any:
         """Right after FSDP's pre-hook in a replay: the root move and input cast its forward did."""
