@@ -4,13 +4,15 @@ World size 1, gloo, CPU. One sharded module with a tiny forward, called in block
 between stock and patched (``apply()`` before the block, ``remove()`` after it, a few untimed calls first), the
 order flipped every round; the added time is the median of the paired differences (patched block minus the
 stock block beside it), which cancels the machine's drift. Without and with autocast (bf16), grad disabled and
-enabled. FSDP2's own hook time is the stock call minus the same module unsharded. The patch's own work (the record of an ordinary call; the start and end of a replayed recompute,
-with the state set to ``PRE_BACKWARD`` and autocast to replay) is also timed on its methods directly.
+enabled. FSDP2's own hook time is the stock call minus the same module unsharded. The patch's own work (the
+record of an ordinary call; the start and end of a replayed recompute, with the state set to ``PRE_BACKWARD``
+and autocast to replay) is also timed on its methods directly.
 
-JSON keys: ``torch``, ``grad`` (``off``/``on``), ``autocast`` (``off``/``bf16``), ``unsharded_ns``, ``stock_ns``, ``patched_ns``,
-``fsdp_hook_ns`` (stock - unsharded), ``added_ns`` (patched - stock), ``added_over_fsdp_hook`` (the
-target is <= 0.01), ``ratio`` (patched / stock); and for the paths measured on the hooks directly,
-``path`` (``ordinary``, ``ordinary-autocast``, ``recompute``), ``ns_per_call``, ``over_fsdp_hook``.
+JSON keys: ``torch``, ``grad`` (``off``/``on``), ``autocast`` (``off``/``bf16``), ``unsharded_ns``,
+``stock_ns``, ``patched_ns``, ``fsdp_hook_ns`` (stock - unsharded), ``added_ns`` (median paired patched -
+stock), ``added_over_fsdp_hook`` (the target is <= 0.01), ``ratio`` (patched / stock); and for the paths
+measured on the hooks directly, ``path`` (``ordinary``, ``ordinary-autocast``, ``recompute``),
+``ns_per_call``, ``over_fsdp_hook``.
 
     python benchmarks/hook_overhead.py [--rounds 200] [--calls 200] [--json out.json] [--smoke]
 """

@@ -10,11 +10,11 @@ A cell is one value per dimension (:data:`DIMENSIONS`):
   bf16 parameters with ``output_dtype`` fp32, and bf16 parameters with ``cast_forward_inputs=False``;
 * ``autocast``: CPU autocast bf16, fp16, off, or bf16 with its cast cache off;
 * ``backward``: inside the forward's autocast state or outside any;
-* ``history``: what runs between or around a forward and its recompute: nothing; an eval ``no_grad``
-  forward (no autocast) before the step, on other data or on the step's own input; one inside the step's autocast region before its forward; one
-  between forward and backward; two micro-batches each in its own autocast region, both forwards first,
-  an eval forward between their backwards; two steps with an eval forward between them;
-  ``backward(retain_graph=True)``, an eval forward, a second backward; two forwards under different
+* ``history``: what runs between or around a forward and its recompute: nothing; an eval ``no_grad`` forward
+  (no autocast) before the step, on other data or on the step's own input; one inside the step's autocast
+  region before its forward; one between forward and backward; two micro-batches each in its own autocast
+  region, both forwards first, an eval forward between their backwards; two steps with an eval forward between
+  them; ``backward(retain_graph=True)``, an eval forward, a second backward; two forwards under different
   autocast states before one backward; two forwards in one autocast region, then two backwards;
 * ``hooks``: user hooks on every sharded module: forward pre-hook registered before / after sharding /
   after sharding with ``prepend=True``, forward hook before / after sharding, or one after sharding that

@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 import warnings
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import Any
 
 import grid as G
