@@ -81,16 +81,19 @@ def grid(session: nox.Session, torch: str) -> None:
     session.run("python", "tests/grid_report.py", *what, "--json", f"grid/torch-{torch}.json")
 
 
-@nox.session(python=False, name="grid-report")
+@nox.session(python="3.11", name="grid-report")
 def grid_report(session: nox.Session) -> None:
-    """README's scenario-space tables, from ``grid/torch-*.json``."""
+    """README's scenario-space tables, from ``grid/torch-*.json`` (tests/grid.py, read for its dimensions,
+    imports torch)."""
     import glob
     import re
 
     paths = sorted(glob.glob("grid/torch-*.json"))
     if not paths:
         session.error("no grid/torch-*.json: run the grid sessions first")
-    tables = session.run("python3", "tests/grid_report.py", "--markdown", *paths, silent=True, external=True)
+    _install_torch(session, "2.13.0")
+    session.install("-e", ".[test]")
+    tables = session.run("python", "tests/grid_report.py", "--markdown", *paths, silent=True)
     block = f"<!-- grid:start -->\n{tables.strip()}\n<!-- grid:end -->"
     readme = open("README.md").read()
     readme = re.sub(r"<!-- grid:start -->.*?<!-- grid:end -->", lambda _: block, readme, flags=re.S)
