@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     xs = range(len(hooks))
     axes[2].bar([x - width / 2 for x in xs], [h["stock_ns"] / 1e3 for h in hooks], width, label="stock")
     axes[2].bar([x + width / 2 for x in xs], [h["patched_ns"] / 1e3 for h in hooks], width, label="patched")
-    axes[2].set_xticks(list(xs), [f"grad {h['grad']}" for h in hooks])
+    axes[2].set_xticks(list(xs), [f"autocast {h['autocast']}\ngrad {h['grad']}" for h in hooks])
     axes[2].set_title("sharded module call, median us (torch 2.12.1)")
     axes[2].legend()
     fig.tight_layout()

@@ -3,15 +3,18 @@
 World size 1, gloo, CPU. One sharded module with a tiny forward, called in blocks of calls that alternate
 between stock and patched (``apply()`` before the block, ``remove()`` after it, a few untimed calls first), the
 order flipped every round; the added time is the median of the paired differences (patched block minus the
-stock block beside it), which cancels the machine's drift. Without and with autocast (bf16), grad disabled and
-enabled. FSDP2's own hook time is the stock call minus the same module unsharded. The patch's own work (the
-record of an ordinary call; the start and end of a replayed recompute, with the state set to ``PRE_BACKWARD``
-and autocast to replay) is also timed on its methods directly.
+stock block beside it), which cancels the machine's drift. Every call gets a fresh input tensor (a ``detach()``),
+as a training step's activations are, so a patched call makes its record and frees it. Without and with
+autocast (bf16), grad disabled and enabled. FSDP2's own hook time is the stock call minus the same module
+unsharded. The patch's own work (the record of an ordinary call; the start and end of a replayed recompute,
+with the state set to ``PRE_BACKWARD`` and autocast to replay) is also timed on its methods directly, and so
+is the ``torch._dynamo.disable`` wrapper its hook has, as FSDP's has (torch.compile must not trace either).
 
 JSON keys: ``torch``, ``grad`` (``off``/``on``), ``autocast`` (``off``/``bf16``), ``unsharded_ns``,
 ``stock_ns``, ``patched_ns``, ``fsdp_hook_ns`` (stock - unsharded), ``added_ns`` (median paired patched -
 stock), ``added_over_fsdp_hook`` (the target is <= 0.01), ``ratio`` (patched / stock); and for the paths
-measured on the hooks directly, ``path`` (``ordinary``, ``ordinary-autocast``, ``recompute``),
+measured on the hooks directly, ``path`` (``ordinary``, ``ordinary-autocast``, ``recompute``,
+``disable-wrapper``),
 ``ns_per_call``, ``over_fsdp_hook``.
 
     python benchmarks/hook_overhead.py [--rounds 200] [--calls 200] [--json out.json] [--smoke]
@@ -40,9 +43,10 @@ from fsdp_autocast_fix import _compat, _patch  # noqa: E402
 
 
 def _per_call_ns(module: nn.Module, x: torch.Tensor, calls: int) -> float:
+    """Per call, each on a fresh tensor as a training step's activations are (a record made and freed)."""
     start = time.perf_counter_ns()
     for _ in range(calls):
-        module(x)
+        module(x.detach())
     return (time.perf_counter_ns() - start) / calls
 
 
@@ -87,13 +91,27 @@ def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str
             for _ in range(rounds):
                 start = time.perf_counter_ns()
                 for _ in range(calls):
-                    module_cover.begin(module, args, {})
+                    x.detach()  # the baseline: what the timed loop does besides the patch's work
+                baseline = time.perf_counter_ns() - start
+                start = time.perf_counter_ns()
+                for _ in range(calls):
+                    y = x if path == "recompute" else x.detach()  # an ordinary call: a fresh input each time
+                    module_cover.begin(module, (y,), {})
                     if module_cover.replays:
                         module_cover.exit(module, args, x)
-                samples.append((time.perf_counter_ns() - start) / calls)
+                samples.append((time.perf_counter_ns() - start - (0 if path == "recompute" else baseline))
+                               / calls)
         finally:
             cover.state._training_state = saved
         results.append({"torch": torch.__version__, "path": path, "ns_per_call": statistics.median(samples)})
+    wrapped = _patch._eager(lambda module, args, kwargs: None)
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter_ns()
+        for _ in range(calls):
+            wrapped(module, args, {})
+        samples.append((time.perf_counter_ns() - start) / calls)
+    results.append({"torch": torch.__version__, "path": "disable-wrapper", "ns_per_call": statistics.median(samples)})
     return results
 
 

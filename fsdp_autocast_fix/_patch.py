@@ -6,11 +6,11 @@ hook dict (same key, so the same position among the user's hooks) and calls FSDP
 * **Ordinary forward.** Before FSDP's hook runs, it records the call: the autocast state (enabled and
   dtype per device type in use, and the cache flag), whether FSDP's root moved the inputs to the device,
   and which of FSDP's casts the forward does (for ``fully_shard([a, b])`` only the group's first inputs and
-  last output, in torch 2.5-2.12). The record is a few scalars, kept on the Python object of the storage
-  of the call's first tensor argument (parameters aside), under (module, storage offset, numel) and checked
-  against the tensor's version counter. A recompute gets the same storage back, the very tensor
-  (``torch.utils.checkpoint``) or a ``detach()`` of it (reentrant-style checkpoints), so it finds the record
-  of the call it recomputes; a record lives exactly as long as the input it belongs to.
+  last output, in torch 2.5-2.12). The record is a few scalars, kept by the module with a weak reference
+  to the call's first tensor argument (parameters aside) and that tensor's version counter. A recompute gets
+  that tensor back (``torch.utils.checkpoint``) or a ``detach()`` of it (reentrant-style checkpoints), which
+  shares its storage, offset, size and version, so it finds the record of the call it recomputes; a record
+  goes when its tensor is freed.
 * **Autocast's cast cache** (pytorch issue 158232): FSDP2 reuses its unsharded parameters, so a cast cached
   by a no-grad forward, or by an earlier forward pass of the same module in the same autocast region, would
   cut a later grad-enabled forward off from the parameters. The patch drops the cached casts before such a

@@ -41,7 +41,8 @@ def test_hook_overhead_smoke(tmp_path) -> None:
     _run("hook_overhead.py", "--smoke", "--json", str(out))
     results = json.loads(out.read_text())
     assert {r["grad"] for r in results if "grad" in r} == {"off", "on"}
-    assert {r["path"] for r in results if "path" in r} == {"ordinary", "ordinary-autocast", "recompute"}
+    assert {r["path"] for r in results if "path" in r} == {"ordinary", "ordinary-autocast", "recompute",
+                                                             "disable-wrapper"}
     for r in results:
         assert all(isinstance(v, (int, float, str)) for v in r.values())
 
