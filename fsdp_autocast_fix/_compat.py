@@ -68,12 +68,26 @@ class Internals:
     forward_hooks_snapshot: bool
     queue_backward_callback: Callable[[Callable[[], None]], None]  # run a callable when this backward ends
     needs_cast_replay: bool
+    #: The code of the wrapper FSDP puts around its hooks to keep torch.compile out of them, which makes a new
+    #: ``torch._dynamo.disable`` object on every call (``_dynamo_disable``; ``disable_if_config_true`` in 2.4-2.7).
+    fsdp_hook_wrappers: frozenset[types.CodeType]
 
     def state_of(self, module: torch.nn.Module) -> Any | None:
         """The FSDP state that manages ``module``, or None."""
         entry = self.module_state_mapping.get(module)
         state = entry() if isinstance(entry, weakref.ref) else entry  # weakref from 2.5, the state in 2.4
         return state if isinstance(state, self.fsdp_state_cls) else None
+
+    def bare_hook(self, hook: Any, state: Any) -> Any:
+        """FSDP's hook ``hook`` (a method of ``state``) without FSDP's dynamo-disable wrapper, for calling from a
+        frame torch.compile already skips (``torch._dynamo.disable(recursive=True)``); ``hook`` itself if it is
+        not exactly that wrapper around a function of ``state``."""
+        wrapper = getattr(hook, "__func__", None)
+        if getattr(hook, "__self__", None) is not state or getattr(wrapper, "__code__", None) not in \
+                self.fsdp_hook_wrappers:
+            return hook
+        bare = getattr(wrapper, "__wrapped__", None)
+        return types.MethodType(bare, state) if callable(bare) else hook
 
     def all_states(self) -> list[Any]:
         """Every live FSDP state, each once (a grouped state manages several modules)."""
@@ -201,7 +215,26 @@ def load() -> Internals:
         queue_backward_callback=_attr(torch.autograd.Variable._execution_engine, "queue_callback",
                                       "Variable._execution_engine.queue_callback"),
         needs_cast_replay=_probe_cast_replay(state_cls, pre_backward, mp_policy_cls),
+        fsdp_hook_wrappers=_hook_wrappers(state_module),
     )
+
+
+#: All that FSDP's hook wrapper may use besides the function it wraps: ``torch._dynamo.disable`` (and, in
+#: ``disable_if_config_true``, ``torch._dynamo.config.skip_fsdp_hooks``). A wrapper doing more is not skipped.
+_WRAPPER_NAMES = frozenset({"torch", "_dynamo", "disable", "config", "skip_fsdp_hooks"})
+
+
+def _hook_wrappers(state_module: Any) -> frozenset[types.CodeType]:
+    def probe() -> None:  # pragma: no cover - never called: only wrapped, to read the wrapper's code
+        return None
+
+    codes = set()
+    for name in ("_dynamo_disable", "disable_if_config_true"):
+        decorator = getattr(state_module, name, None)
+        code = getattr(decorator(probe), "__code__", None) if callable(decorator) else None
+        if code is not None and code.co_freevars == ("func",) and set(code.co_names) <= _WRAPPER_NAMES:
+            codes.add(code)
+    return frozenset(codes)
 
 
 def _forward_hooks_snapshot() -> bool:

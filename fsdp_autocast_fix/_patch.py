@@ -27,7 +27,9 @@ hook dict (same key, so the same position among the user's hooks) and calls FSDP
 
 If user pre-hooks run before FSDP's, a lead pre-hook of the patch is put first so that the record and
 the replayed autocast state come before them too. The patch's hooks are wrapped with
-``torch._dynamo.disable`` as FSDP's are, so torch.compile runs them eagerly where it ran FSDP's. Modules
+``torch._dynamo.disable`` as FSDP's are, so torch.compile runs them eagerly where it ran FSDP's; inside the
+entry, FSDP's pre-hook is called without FSDP's own wrapper (which makes a new ``disable`` object on every
+call), made redundant by the patch's (``Internals.bare_hook``; the group closure as it is). Modules
 sharded later are covered through a wrapt wrapper on ``FSDPState.init``, modules sharded earlier through
 torch's composable-state registry.
 """
@@ -190,9 +192,8 @@ class _Module:
     """The patch's hooks on one module of a covered state."""
 
     __slots__ = ("cover", "state", "pre_backward", "device_types", "may_move", "grouped", "varies", "plain_call",
-                 "slots", "fsdp_entry", "fsdp_post", "hook", "post_hook", "exit_hook", "lead", "calls", "forget",
-                 "replays",
-                 "exit_handle", "last", "unkeyed", "warned", "pass_epoch", "__weakref__")
+                 "slots", "fsdp_entry", "fsdp_call", "fsdp_post", "hook", "post_hook", "exit_hook", "lead", "calls",
+                 "forget", "replays", "exit_handle", "last", "unkeyed", "warned", "pass_epoch", "__weakref__")
 
     def __init__(self, cover: _Cover, module: torch.nn.Module, slots: _compat.HookSlots) -> None:
         self.cover = cover
@@ -207,6 +208,9 @@ class _Module:
         self.forget = self._forget
         self.slots = slots
         self.fsdp_entry = slots.entry.get()  # FSDP's pre-hook entry: its bound _pre_forward, or a group closure
+        # What the entry calls: FSDP's _pre_forward without FSDP's per-call dynamo-disable wrapper, which is
+        # redundant inside the patch's own (``self.hook``); the group closure as it is.
+        self.fsdp_call = _internals().bare_hook(self.fsdp_entry, cover.state)
         self.fsdp_post = slots.post_entry.get()  # FSDP's forward-hook entry, likewise
         self.lead: Any = None  # handle of the lead pre-hook, while user pre-hooks run before FSDP's
         self.replays: list[_Replay] = []
@@ -231,7 +235,7 @@ class _Module:
                 self._begin_recompute(module, args, kwargs)
             else:
                 self._record(state, module, args, kwargs)
-        result = self.fsdp_entry(module, args, kwargs)
+        result = self.fsdp_call(module, args, kwargs)
         if self.replays and self.replays[-1].pre_pending:
             return self._pre_casts(args, kwargs, result)
         return result

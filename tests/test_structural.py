@@ -91,3 +91,22 @@ def test_detection_agrees_with_torchs_code() -> None:
 def test_detection_matches_the_known_releases() -> None:
     """2.4-2.12 skip the casts in the recompute; 2.13 (pytorch PR 182580) and later do them."""
     assert _compat.load().needs_cast_replay is (_base_version() < (2, 13))
+
+
+def test_fsdps_dynamo_wrapper_is_recognised_and_only_it_is_bypassed() -> None:
+    """The patch's entry calls FSDP's ``_pre_forward`` without FSDP's per-call ``torch._dynamo.disable`` wrapper
+    (the patch's own hook has one, recursive) wherever FSDP wraps it; anything else is called as it is."""
+    internals = _compat.load()
+    state = internals.fsdp_state_cls()
+    wrapped = getattr(internals.fsdp_state_cls._pre_forward, "__wrapped__", None)
+    bare = internals.bare_hook(state._pre_forward, state)
+    if wrapped is None:  # a torch whose FSDP does not wrap its hooks: nothing to bypass
+        assert bare == state._pre_forward
+    else:  # recognised, so the bypass is in effect on this torch
+        assert bare.__self__ is state and bare.__func__ is wrapped
+        assert bare.__func__.__code__ not in internals.fsdp_hook_wrappers
+
+    other = internals.fsdp_state_cls()
+    closure = lambda module, args, kwargs: state._pre_forward(module, args, kwargs)  # noqa: E731 - a group's entry
+    for hook in (other._pre_forward, closure, bare):
+        assert internals.bare_hook(hook, state) is hook
