@@ -230,7 +230,7 @@ def bench(session: nox.Session) -> None:
                platform.processor())
     header = (f"Measured {datetime.date.today().isoformat()} with `python3 -m nox -s bench` on {os.cpu_count()} "
               f"CPU cores ({cpu}), gloo, 2 ranks for the step benchmarks (8 layers, hidden 256, sequence 128, "
-              f"batch 2; the A/B: 60 rounds of one step per variant after 3 warm-up rounds; `step.py`: {steps} "
+              f"batch 2; the A/B: 180 rounds of one step per variant after 3 warm-up rounds; `step.py`: {steps} "
               f"steps after 3 warm-up, each variant in its own processes).")
     body = "\n\n".join(f"**{title}**\n\n{text.strip()}" for title, text in tables)
     body += "\n\n![benchmarks](benchmarks/results/benchmarks.png)"

@@ -17,7 +17,7 @@ round's ratio to the stock step of the same round (``patched / stock``, target <
 JSON keys: ``torch``, ``rounds``, ``config``, ``step_ms`` (median per variant), ``step_ms_all`` (per variant),
 ``patched_over_stock``, ``reentrant_over_stock`` (medians of the per-round ratios).
 
-    python benchmarks/ab_step.py [--rounds 60] [--json out.json] [--smoke]
+    python benchmarks/ab_step.py [--rounds 180] [--json out.json] [--smoke]
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Measure; print the table, and write JSON if asked."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=180)
     parser.add_argument("--json")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
