@@ -23,6 +23,7 @@ measured on the hooks directly, ``path`` (``ordinary``, ``ordinary-autocast``, `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -87,20 +88,25 @@ def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str
         if path == "recompute":
             cover.state._training_state = _compat.load().pre_backward
         samples = []
+        # ordinary-autocast: the record reads autocast's state (grad off: a grad-enabled pass repeated in one
+        # autocast region would also drop the cast cache every time, see the module docstring).
+        timed_under = (torch.autocast("cpu", dtype=torch.bfloat16) if path == "ordinary-autocast"
+                       else contextlib.nullcontext())
         try:
-            for _ in range(rounds):
-                start = time.perf_counter_ns()
-                for _ in range(calls):
-                    x.detach()  # the baseline: what the timed loop does besides the patch's work
-                baseline = time.perf_counter_ns() - start
-                start = time.perf_counter_ns()
-                for _ in range(calls):
-                    y = x if path == "recompute" else x.detach()  # an ordinary call: a fresh input each time
-                    module_cover.begin(module, (y,), {})
-                    if module_cover.replays:
-                        module_cover.exit(module, args, x)
-                samples.append((time.perf_counter_ns() - start - (0 if path == "recompute" else baseline))
-                               / calls)
+            with timed_under, torch.set_grad_enabled(path != "ordinary-autocast"):
+                for _ in range(rounds):
+                    start = time.perf_counter_ns()
+                    for _ in range(calls):
+                        x.detach()  # the baseline: what the timed loop does besides the patch's work
+                    baseline = time.perf_counter_ns() - start
+                    start = time.perf_counter_ns()
+                    for _ in range(calls):
+                        y = x if path == "recompute" else x.detach()  # an ordinary call: a fresh input each time
+                        module_cover.begin(module, (y,), {})
+                        if module_cover.replays:
+                            module_cover.exit(module, args, x)
+                    samples.append((time.perf_counter_ns() - start - (0 if path == "recompute" else baseline))
+                                   / calls)
         finally:
             cover.state._training_state = saved
         results.append({"torch": torch.__version__, "path": path, "ns_per_call": statistics.median(samples)})

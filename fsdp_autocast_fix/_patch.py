@@ -253,7 +253,8 @@ class _Module:
         """An ordinary call: record what its recompute must replay (the hot path)."""
         if self.replays:  # left by an interrupted recompute (KeyboardInterrupt skips always_call hooks)
             self._drop_stale()
-        call = self._call(state, module) if self.varies or _any_autocast_enabled() else self.plain_call
+        autocast = _any_autocast_enabled()
+        call = self._call(state, module, autocast) if self.varies or autocast else self.plain_call
         self.last = call
         x = args[0] if args and type(args[0]) is _Tensor else _first_tensor(args, kwargs)
         if x is None:  # nothing to key on: an unidentified recompute of a call like this replays the latest
@@ -271,10 +272,10 @@ class _Module:
         ref.key = key
         self.calls[key] = (ref, x._version, (call,))
 
-    def _call(self, state: Any, module: torch.nn.Module) -> tuple[Any, ...]:
+    def _call(self, state: Any, module: torch.nn.Module, autocast: bool) -> tuple[Any, ...]:
         """The record of a call under autocast, or of a module whose record depends on the call."""
         root = state._state_ctx.iter_forward_root is None  # this call starts a forward pass
-        if _any_autocast_enabled():
+        if autocast:
             now = _capture_enabled(self.device_types)
             if now[1]:  # the cast cache is on
                 if not _is_grad_enabled():

@@ -6,11 +6,13 @@ run does not have (the patch's hooks are registered as FSDP registers its own: `
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
 import scenarios as S
 import torch
+import torch._dynamo
 import torch.nn as nn
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
@@ -54,7 +56,19 @@ def _same(a: Any, b: Any) -> bool:
         S.Result(grads=x).same_as(S.Result(grads=y)) for x, y in zip(a, b))
 
 
-def test_compiled_parity_and_no_added_graph_break() -> None:
+#: ``torch._dynamo.config.skip_fsdp_hooks`` where this torch has it (until 2.12); False: torch 2.4-2.7 trace
+#: FSDP's hooks into the graph.
+SKIP_FSDP_HOOKS = [True, False] if hasattr(torch._dynamo.config, "skip_fsdp_hooks") else [None]
+
+
+@pytest.mark.parametrize("skip_fsdp_hooks", SKIP_FSDP_HOOKS, ids=lambda v: f"skip_fsdp_hooks={v}")
+def test_compiled_parity_and_no_added_graph_break(skip_fsdp_hooks: bool | None) -> None:
+    with (torch._dynamo.config.patch(skip_fsdp_hooks=skip_fsdp_hooks) if skip_fsdp_hooks is not None
+          else contextlib.nullcontext()):
+        _check_parity_and_graph_breaks()
+
+
+def _check_parity_and_graph_breaks() -> None:
     reference, reference_breaks = _run(patched=False, use_checkpoint=False)
     assert isinstance(reference, list), reference
     stock, stock_breaks = _run(patched=False, use_checkpoint=True)
