@@ -635,7 +635,11 @@ def _init_wrapper_fn(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs:
     result = wrapped(*args, **kwargs)
     with _lock:
         if _applied:
-            _cover_state(instance, _GLOBAL)
+            try:
+                _cover_state(instance, _GLOBAL)
+            except _compat.UnsupportedTorchError as e:  # FSDP's init has run: let fully_shard finish, stock
+                logger.warning("fsdp_autocast_fix cannot cover %s, which runs without the patch: %s",
+                               ", ".join(type(m).__name__ for m in _compat.modules_of(instance)), e)
     return result
 
 
@@ -774,7 +778,9 @@ def patched_fully_shard(*args: Any, **kwargs: Any) -> Any:
 
     Raises:
         UnsupportedTorchError: before sharding, if an internal the patch relies on
-            is missing or changed.
+            is missing or changed; after sharding, if FSDP's hooks are not where
+            ``fully_shard`` registers them (someone replaced ``FSDPState._pre_forward``,
+            say): the modules are then sharded but not covered, and the error says so.
     """
     internals = _internals()
     result = internals.fully_shard(*args, **kwargs)
@@ -784,7 +790,11 @@ def patched_fully_shard(*args: Any, **kwargs: Any) -> Any:
         for module in modules:
             state = internals.state_of(module)
             if state is not None:
-                _cover_state(state, _LOCAL)
+                try:
+                    _cover_state(state, _LOCAL)
+                except _compat.UnsupportedTorchError as e:
+                    e.add_note(f"{type(module).__name__} is sharded by fully_shard but not covered by the patch")
+                    raise
     return result
 
 

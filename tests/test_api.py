@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
 import logging
 
@@ -192,6 +193,43 @@ def test_missing_internal_raises_typed_error_and_patches_nothing(
     assert _state_cls().__dict__["init"] is original_init
     assert _hook_count(layer) == hooks
     assert not fsdp_autocast_fix.status().patched_globally
+
+
+def test_fsdp_hooks_not_found_at_sharding_log_and_leave_the_module_sharded_stock(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """FSDP's pre-hook is not found where fully_shard registers it (``_pre_forward`` wrapped by someone else):
+    under apply() fully_shard still finishes (never half-sharded) and one warning says the module runs stock;
+    patched_fully_shard raises, saying the module is sharded but not covered."""
+    state_cls = _state_cls()
+    original = state_cls.__dict__["_pre_forward"]
+    wrapt.wrap_function_wrapper(state_cls, "_pre_forward", lambda wrapped, instance, args, kwargs: wrapped(*args,
+                                                                                                            **kwargs))
+    layer = err = None
+    try:
+        fsdp_autocast_fix.apply()
+        before = fsdp_autocast_fix.status().covered_modules
+        layer = S.GeluLinear()
+        with caplog.at_level(logging.WARNING, logger="fsdp_autocast_fix"):
+            _compat.load().fully_shard(layer)
+        assert isinstance(layer, _compat.load().fsdp_module_cls)
+        assert all(hasattr(p, "placements") for p in layer.parameters())  # sharded: DTensor parameters
+        assert fsdp_autocast_fix.status().covered_modules == before
+        assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+            f"fsdp_autocast_fix cannot cover GeluLinear, which runs without the patch: {_uncovered_error()}"]
+        fsdp_autocast_fix.remove()
+        with pytest.raises(UnsupportedTorchError) as err:
+            fsdp_autocast_fix.patched_fully_shard(S.GeluLinear())
+        assert err.value.__notes__ == ["FSDPGeluLinear is sharded by fully_shard but not covered by the patch"]
+    finally:
+        fsdp_autocast_fix.remove()
+        setattr(state_cls, "_pre_forward", original)
+        layer = err = None  # the modules sharded here, whose hooks no apply() could find, must go now
+        gc.collect()
+
+
+def _uncovered_error() -> str:
+    return str(UnsupportedTorchError("FSDP's forward pre-hook on GeluLinear",  # at init: class not yet swapped
+                                     "not found where fully_shard registers it"))
 
 
 def _autocast_state() -> tuple[object, ...]:
