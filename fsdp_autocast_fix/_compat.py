@@ -86,8 +86,8 @@ class Internals:
         if getattr(hook, "__self__", None) is not state or getattr(wrapper, "__code__", None) not in \
                 self.fsdp_hook_wrappers:
             return hook
-        bare = getattr(wrapper, "__wrapped__", None)
-        return types.MethodType(bare, state) if callable(bare) else hook
+        (cell,) = wrapper.__closure__  # the wrapper's one free variable, ``func``: what it calls
+        return types.MethodType(cell.cell_contents, state)
 
     def all_states(self) -> list[Any]:
         """Every live FSDP state, each once (a grouped state manages several modules)."""

@@ -191,9 +191,9 @@ def _drop_cached_casts() -> None:
 class _Module:
     """The patch's hooks on one module of a covered state."""
 
-    __slots__ = ("cover", "state", "pre_backward", "device_types", "may_move", "grouped", "varies", "plain_call",
-                 "slots", "fsdp_entry", "fsdp_call", "fsdp_post", "hook", "post_hook", "exit_hook", "lead", "calls",
-                 "forget", "replays", "exit_handle", "last", "unkeyed", "warned", "pass_epoch", "__weakref__")
+    __slots__ = ("cover", "state", "pre_backward", "device_types", "may_move", "grouped", "varies", "slots",
+                 "fsdp_entry", "fsdp_call", "fsdp_post", "hook", "post_hook", "exit_hook", "lead", "calls", "forget",
+                 "replays", "exit_handle", "last", "unkeyed", "warned", "pass_epoch", "__weakref__")
 
     def __init__(self, cover: _Cover, module: torch.nn.Module, slots: _compat.HookSlots) -> None:
         self.cover = cover
@@ -201,7 +201,6 @@ class _Module:
         self.device_types, self.may_move = cover.device_types, cover.may_move
         self.grouped = len(cover.modules_of_state) > 1
         self.varies = self.grouped or self.may_move  # else a call without autocast is always recorded alike
-        self.plain_call = (_ALL_OFF, False) + _ALL_CAST
         #: id(input) -> (weak reference to the input, its version, the calls recorded for it): a record lives as
         #: long as its input (while a checkpoint holds it for the recompute) and no longer.
         self.calls: dict[int, tuple[_Ref, int, tuple[Any, ...]]] = {}
@@ -230,19 +229,15 @@ class _Module:
     def entry(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """In the place of FSDP's pre-hook entry: record or replay (unless the lead did), then FSDP's pre-hook."""
         if self.lead is None:
-            state = self.state
-            if state._training_state is self.pre_backward or _graph_task_id() != -1:
-                self._begin_recompute(module, args, kwargs)
-            else:
-                self._record(state, module, args, kwargs)
+            self.begin(module, args, kwargs)
         result = self.fsdp_call(module, args, kwargs)
         if self.replays and self.replays[-1].pre_pending:
             return self._pre_casts(args, kwargs, result)
         return result
 
     def begin(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Record an ordinary call or start the replay of a recompute; the lead pre-hook, while user pre-hooks
-        run before FSDP's (the entry does the same itself otherwise)."""
+        """Record an ordinary call or start the replay of a recompute: from the entry, or as the lead pre-hook
+        while user pre-hooks run before FSDP's."""
         state = self.state
         if state._training_state is self.pre_backward or _graph_task_id() != -1:
             self._begin_recompute(module, args, kwargs)
@@ -254,7 +249,7 @@ class _Module:
         if self.replays:  # left by an interrupted recompute (KeyboardInterrupt skips always_call hooks)
             self._drop_stale()
         autocast = _any_autocast_enabled()
-        call = self._call(state, module, autocast) if self.varies or autocast else self.plain_call
+        call = self._call(state, module, autocast) if self.varies or autocast else _PLAIN_CALL
         self.last = call
         x = args[0] if args and type(args[0]) is _Tensor else _first_tensor(args, kwargs)
         if x is None:  # nothing to key on: an unidentified recompute of a call like this replays the latest
@@ -287,9 +282,7 @@ class _Module:
                         self.pass_epoch = _cache[0]
         else:
             now = _ALL_OFF
-        if self.grouped:
-            return (now, self.may_move and root, *_group_casts(state, module))
-        return now, self.may_move and root, True, True
+        return (now, self.may_move and root) + (_group_casts(state, module) if self.grouped else _ALL_CAST)
 
     def _forget(self, ref: _Ref) -> None:
         """A recorded input was freed: its record goes with it."""
@@ -527,6 +520,8 @@ class _Module:
 
 #: The casts FSDP does for a module sharded alone: its inputs and its output, every call.
 _ALL_CAST = (True, True)
+#: The record of a call without autocast, of a module sharded alone on a device FSDP does not move inputs to.
+_PLAIN_CALL = (_ALL_OFF, False) + _ALL_CAST
 
 
 def _group_casts(state: Any, module: torch.nn.Module) -> tuple[bool, bool]:
