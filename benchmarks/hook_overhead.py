@@ -40,7 +40,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fsdp_autocast_fix  # noqa: E402
-from fsdp_autocast_fix import _compat, _patch  # noqa: E402
+from fsdp_autocast_fix import _compat, _hooks, _patch  # noqa: E402
 
 
 def _per_call_ns(module: nn.Module, x: torch.Tensor, calls: int) -> float:
@@ -101,16 +101,18 @@ def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str
                     baseline = time.perf_counter_ns() - start
                     start = time.perf_counter_ns()
                     for _ in range(calls):
-                        y = x if path == "recompute" else x.detach()  # an ordinary call: a fresh input each time
-                        module_cover.begin(module, (y,), {})
-                        if module_cover.replays:
-                            module_cover.exit(module, args, x)
+                        if path == "recompute":  # what the entry runs for a recompute (inside backward)
+                            module_cover.replayer.start(module, [x])
+                        else:  # an ordinary call: a fresh input each time
+                            module_cover.begin(module, (x.detach(),), {})
+                        if module_cover.replayer.replays:
+                            module_cover.replayer.exit(module, args, x)
                     samples.append((time.perf_counter_ns() - start - (0 if path == "recompute" else baseline))
                                    / calls)
         finally:
             cover.state._training_state = saved
         results.append({"torch": torch.__version__, "path": path, "ns_per_call": statistics.median(samples)})
-    wrapped = _patch._eager(lambda module, args, kwargs: None)
+    wrapped = _hooks.eager(lambda module, args, kwargs: None)
     samples = []
     for _ in range(rounds):
         start = time.perf_counter_ns()

@@ -23,13 +23,16 @@ with warnings.catch_warnings():  # torch warns at import where numpy is absent; 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 
-from . import _autoapply, _compat, _patch
+from . import _autoapply, _compat, _patch, _report
 from ._checks import VALUE_CHECK, check_recompute, register_value_check
 from ._compat import UnsupportedTorchError
 from ._patch import apply, patched_fully_shard, preserve_autocast, remove
+from ._report import ModuleReport, Report
 
 __all__ = [
     "VALUE_CHECK",
+    "ModuleReport",
+    "Report",
     "Status",
     "UnsupportedTorchError",
     "apply",
@@ -39,6 +42,7 @@ __all__ = [
     "preserve_autocast",
     "register_value_check",
     "remove",
+    "report",
     "status",
 ]
 __version__ = "0.1.0"
@@ -109,3 +113,20 @@ def patched(*, force: bool = False) -> Iterator[None]:
             remove()
         elif was_forced != force:
             apply(force=was_forced)
+
+
+def report(*, reset: bool = False) -> Report:
+    """What the patch did in this process since :func:`apply` (or the last ``report(reset=True)``). Never raises.
+
+    Totals and counts per sharded module class: recomputes seen, recomputes whose autocast state it changed,
+    FSDP input / output casts and root input moves it replayed, cached casts it dropped (pytorch issue 158232),
+    and recomputes it could not identify, with why. ``str()`` of it is a table ending in one line of advice: the
+    patch changed nothing in this run (you may not need it here), or what it fixed. ``reset=True`` starts the
+    counts again after reading them. Set ``FSDP_AUTOCAST_FIX_REPORT=1`` to print it at interpreter exit on rank 0
+    (``=all``: every rank), also under the auto-apply.
+    """
+    return _report.snapshot(reset=reset)
+
+
+_report.arm_exit_report()
+

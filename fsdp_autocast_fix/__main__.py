@@ -71,7 +71,12 @@ def _print_doctor(report: dict[str, Any]) -> None:
     else:
         print(f"live probe not run: {report['probe_skipped'] or report.get('probe_error')}")
     print(report["advice"])
+    print(REPORT_HINT)
 
+
+#: doctor answers for its own probe; what the patch does in the user's own run is the report's to say.
+REPORT_HINT = ("for your own run: FSDP_AUTOCAST_FIX_REPORT=1 prints at exit what the patch changed there "
+               "(fsdp_autocast_fix.report()); if it changed nothing on the torch you upgrade to, you may unpin it")
 
 DESCRIPTION = ("Make a checkpointed fully_shard (FSDP2) module recompute exactly what its forward computed "
                "(pytorch issue 148831). Run a command with --help for what it does and its exit codes.")

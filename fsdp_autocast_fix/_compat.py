@@ -26,7 +26,8 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["HookSlots", "Internals", "Slot", "UnsupportedTorchError", "hook_slots", "in_torch_checkpoint", "load"]
+__all__ = ["HookSlots", "Internals", "Slot", "UnsupportedTorchError", "group_casts", "hook_slots",
+           "in_torch_checkpoint", "load", "user_class_name"]
 
 #: Import paths of composable FSDP, newest first (2.6+ public path, then 2.4/2.5).
 _FSDP_PACKAGES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
@@ -86,7 +87,8 @@ class Internals:
         if getattr(hook, "__self__", None) is not state or getattr(wrapper, "__code__", None) not in \
                 self.fsdp_hook_wrappers:
             return hook
-        (cell,) = wrapper.__closure__  # the wrapper's one free variable, ``func``: what it calls
+        closure: Any = getattr(wrapper, "__closure__", None)
+        (cell,) = closure  # the wrapper's one free variable, ``func``: what it calls
         return types.MethodType(cell.cell_contents, state)
 
     def all_states(self) -> list[Any]:
@@ -162,9 +164,14 @@ def load() -> Internals:
         "torch.is_autocast_enabled(device_type)": lambda: torch.is_autocast_enabled("cpu"),
         "torch.get_autocast_dtype": lambda: torch.get_autocast_dtype("cpu"),
         "torch.is_autocast_cache_enabled": torch.is_autocast_cache_enabled,
+        "torch.set_autocast_enabled(device_type, enabled)":
+            lambda: torch.set_autocast_enabled("cpu", torch.is_autocast_enabled("cpu")),
+        "torch.set_autocast_dtype(device_type, dtype)":
+            lambda: torch.set_autocast_dtype("cpu", torch.get_autocast_dtype("cpu")),
         "torch._C._is_any_autocast_enabled": torch._C._is_any_autocast_enabled,
         "torch._C._current_graph_task_id": torch._C._current_graph_task_id,
         "torch._C._current_autograd_node": torch._C._current_autograd_node,
+        "torch._C._autograd._get_sequence_nr": torch._C._autograd._get_sequence_nr,
     }
     for label, call in required.items():
         try:
@@ -307,12 +314,31 @@ def hook_slots(state: Any, module: torch.nn.Module) -> HookSlots:
     return HookSlots(entry=entry, post_entry=post_entry)
 
 
+def user_class_name(module: torch.nn.Module) -> str:
+    """The name of the class ``module`` had before ``fully_shard`` (which makes a class ``FSDP<name>`` of it)."""
+    fsdp_module_cls = load().fsdp_module_cls
+    cls = next((c for c in type(module).__mro__ if not issubclass(c, fsdp_module_cls)), type(module))
+    return cls.__name__
+
+
+def group_casts(state: Any, module: torch.nn.Module) -> tuple[bool, bool]:
+    """Whether FSDP's forward casts this call's inputs / output, for a module of ``fully_shard([a, b, ...])``.
+
+    In torch 2.5-2.12 the group's pre-hook runs ``_pre_forward`` (with the input cast) only for the module that
+    starts the group's pass, and ``_post_forward`` (with the output cast) only for the one that ends it. Read
+    before FSDP's hook runs: ``_modules_to_run_forward`` is empty for the first, holds just this module for the
+    last. (2.13+ casts every module's inputs and output, in the recompute too.)
+    """
+    to_run = state._modules_to_run_forward
+    return not to_run, len(to_run) == 1 and module in to_run
+
+
 def in_torch_checkpoint() -> bool:
     """Whether ``torch.utils.checkpoint`` (either mode; also what ``checkpoint_wrapper``, the composable
     ``checkpoint`` and selective checkpointing run on) is running the current recompute: a frame of its module
     is on this thread's stack. It restores autocast itself. Off the hot path (ambiguous recomputes only)."""
     path = torch.utils.checkpoint.__file__
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename == path:
             return True

@@ -85,7 +85,7 @@ def _grads(device: torch.device, shard: Callable[..., Any], module_kwargs: dict[
         else:
             out = model(x)
     out.float().sum().backward()
-    return [x.grad] + [p.grad.full_tensor() for p in model.parameters()]
+    return [x.grad] + [p.grad.full_tensor() for p in model.parameters()]  # type: ignore[union-attr,return-value]
 
 
 def _verdict(run: Callable[[], list[torch.Tensor]], reference: list[torch.Tensor]) -> str:

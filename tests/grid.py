@@ -15,19 +15,26 @@ A cell is one value per dimension (:data:`DIMENSIONS`):
   region before its forward; one between forward and backward; two micro-batches each in its own autocast
   region, both forwards first, an eval forward between their backwards; two steps with an eval forward between
   them; ``backward(retain_graph=True)``, an eval forward, a second backward; two forwards under different
-  autocast states before one backward; two forwards in one autocast region, then two backwards;
+  autocast states before one backward; two forwards in one autocast region, then two backwards
+  (``same_region``) or one backward of their sum (``two_passes``, two views of a batch);
 * ``hooks``: user hooks on every sharded module: forward pre-hook registered before / after sharding /
   after sharding with ``prepend=True``, forward hook before / after sharding, or one after sharding that
   returns a bf16 tensor;
 * ``topology``: a sharded root module checkpointed whole; sharded layers in a sharded root, one checkpoint
   per layer; root -> layer -> sub-layer, one checkpoint per layer; ``fully_shard([a, b])`` in a sharded
-  root, one checkpoint around the pair.
+  root, one checkpoint around the pair; ``fully_shard([a, b])``, one checkpoint around each;
+* ``region``: what each checkpointed function runs: the sharded unit itself; unsharded ops, then the unit;
+  two sharded units one after the other; one unit twice; the unit in a checkpoint nested in another; the unit
+  in two regions one after the other;
+* ``signature``: how every sharded module is called: on one tensor; on a tensor shared by every call (a mask)
+  then the input; by keyword only; on a tuple; on a dict; on views of one batch.
 
 Each cell runs in a mode: ``stock`` (the positive control), ``apply`` (before sharding), ``late_apply``
 (after sharding and after the hooks), ``patched_fully_shard``. The ground truth (:func:`truth`) is the same
-cell without checkpoint, stock, with autocast's cast cache off (pytorch issue 158232 makes a cached cast lose
-parameter gradients on FSDP2; the cache changes no value), itself checked against the unsharded model and
-FSDP1 (``tests/test_grid.py``). Every patched mode must equal it bitwise; what stock does is recorded.
+cell without checkpoint, stock, with autocast's cache as the cell has it, on the unsharded model (fp32
+parameters) or FSDP2 (its own mixed precision), itself checked against FSDP1 and against FSDP2 without the
+cache (``tests/test_grid.py``). Every patched mode must equal it bitwise; what stock does is recorded.
+:meth:`Cell.valid` leaves out duplicates and what torch itself cannot make bitwise, each with its reason.
 
 Needs a process group (world size 1); everything runs on CPU.
 """
@@ -70,8 +77,13 @@ def deepspeed_available() -> bool:
     return True
 
 
+SIGNATURES = ("tensor", "shared_first", "kwargs", "tuple", "dict", "views")
 FRONTENDS = ("none", "torch", "torch_reentrant", "wrapper", "composable", "selective",
              "fn_restore", "fn_no_restore", "fn_disable", "deepspeed", "deepspeed_non_reentrant")
+#: Front ends whose checkpoint does not restore the forward's autocast state in the recompute.
+NOT_RESTORING = ("fn_no_restore", "fn_disable", "deepspeed", "deepspeed_non_reentrant")
+#: Histories whose backwards accumulate into the same gradients more than once.
+MULTI_BACKWARD = ("micro_batches", "same_region", "eval_between_steps", "retain_graph")
 #: Front ends whose recompute runs in a backward of its own (an autograd.Function's backward).
 REENTRANT = ("torch_reentrant", "fn_restore", "fn_no_restore", "fn_disable", "deepspeed")
 DIMENSIONS: dict[str, tuple[str, ...]] = {
@@ -80,10 +92,12 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "autocast": ("bf16", "fp16", "off", "bf16_no_cache"),
     "backward": ("inside", "outside"),
     "history": ("none", "eval_before", "eval_before_same_input", "eval_in_region", "eval_between", "micro_batches",
-                "eval_between_steps", "retain_graph", "mixed_states", "same_region"),
+                "eval_between_steps", "retain_graph", "mixed_states", "same_region", "two_passes"),
     "hooks": ("none", "pre_before", "pre_after", "pre_after_prepend", "post_before", "post_after",
               "post_after_bf16"),
     "topology": ("root", "layers", "nested", "grouped", "grouped_each"),
+    "region": ("module", "pre_ops", "two_modules", "twice", "nested", "across"),
+    "signature": SIGNATURES,
 }
 
 
@@ -98,23 +112,79 @@ class Cell:
     history: str
     hooks: str
     topology: str
+    region: str = "module"
+    signature: str = "tensor"
 
     @property
     def name(self) -> str:
         return "-".join(astuple(self))
 
+    def recomputes_per_backward(self) -> int:
+        """How many checkpointed regions run the same sharded module before one backward."""
+        return (2 if self.region == "across" else 1) * (2 if self.history in ("mixed_states", "two_passes") else 1)
+
+    def runs_a_module_twice(self) -> bool:
+        """Whether a sharded module runs forward twice before one backward: several passes, or a region that
+        calls it twice or checkpoints it in two regions."""
+        return self.history in ("mixed_states", "two_passes") or self.region in ("twice", "across")
+
+    def needs_preserve_autocast(self) -> bool:
+        """Whether the patch needs :func:`fsdp_autocast_fix.preserve_autocast` around the checkpoint here: the
+        region runs unsharded ops before its first sharded call, whose input nothing recorded then names, and the
+        checkpoint does not restore autocast itself (documented; the patched modes wrap it)."""
+        return self.region == "pre_ops" and self.frontend in NOT_RESTORING
+
+    def shares_a_cast(self) -> bool:
+        """Whether autocast's cache gives two uses of one parameter one cast here, so that its gradient is summed
+        in low precision before the cast's backward: the only cells where the cache changes gradient bits."""
+        return self.cache() and self.casts_parameters() and (
+            self.region in ("twice", "across") or self.history == "two_passes")
+
+    def cache(self) -> bool:
+        """Whether autocast's cast cache is on in this cell."""
+        return self.autocast in ("bf16", "fp16")
+
+    def casts_parameters(self) -> bool:
+        """Whether autocast casts the parameters here (fp32 ones, or bf16 ones under fp16 autocast)."""
+        return self.autocast != "off" and (self.precision == "fp32_params" or self.autocast == "fp16")
+
     def valid(self) -> bool:
-        """Cells that are not duplicates or impossible by construction."""
+        """Cells that are not duplicates or impossible by construction, and none that torch itself cannot make
+        bitwise (each rule says why)."""
         if self.autocast == "off" and self.backward == "inside":
             return False  # the same as outside
+        if self.region == "two_modules" and self.topology not in ("layers", "nested", "grouped_each"):
+            return False  # needs two sharded units one after the other
+        if self.frontend == "none" and self.region in ("nested", "across"):
+            return False  # without a checkpoint, the same computation as "module" / "twice"
+        if self.frontend in ("wrapper", "composable") and self.region not in ("module", "across"):
+            return False  # these checkpoint a module's every call: a region is one call
+        if self.history == "same_region" and self.casts_parameters() and self.cache():
+            return False  # FSDP2, stock or patched: two forward passes of one module in one autocast region share
+            # the cast cache's casts of its parameters; backwarded separately, the second backward's gradients
+            # through them arrive after FSDP's post-backward hook and are lost. Whether the passes will be
+            # backwarded together (then sharing is exact: see "two_passes") is not known at the second forward.
         if self.precision == "no_input_cast" and self.autocast == "off":
             return False  # fp32 inputs into bf16 parameters: fails without any checkpoint
-        if self.history == "mixed_states" and self.frontend in REENTRANT and (
-                self.precision != "fp32_params" or self.topology != "root"):
-            return False  # torch: each reentrant recompute runs a backward of its own, so the gradients of
-            # a module called twice before one backward are summed in another order (and, with bf16
-            # parameters, reduced twice in bf16): not bitwise comparable, with or without autocast, stock
-            # or patched. Compared where they are: fp32 parameters, one sharded module.
+        if self.frontend == "selective" and self.casts_parameters() and self.cache() and (
+                self.region == "across" or self.history == "two_passes"):
+            return False  # torch: selective checkpointing needs the recompute to run the forward's ops; a region
+            # whose forward took a parameter's cast from the cache (cast by an earlier region of the same autocast
+            # region) casts it afresh in its recompute ("... not found in storage"), stock or patched
+        if self.topology.startswith("grouped") and not _grouped_supported():
+            return False  # torch 2.4: fully_shard takes one module, no fully_shard([a, b])
+        if self.topology == "grouped_each" and self.region in ("twice", "across"):
+            return False  # FSDP2: a module of fully_shard([a, b]) run again before the other one is run once
+            # breaks the group's pass ("a, a, b, b"), with or without a checkpoint
+        if self.frontend in REENTRANT and self.recomputes_per_backward() > 1 and (
+                self.precision != "fp32_params" or self.topology != "root" or self.recomputes_per_backward() > 2
+                or self.history in MULTI_BACKWARD or self.shares_a_cast()):
+            return False  # torch: each reentrant recompute runs a backward of its own, so the gradient of a
+            # module recomputed in several regions of one backward is accumulated once per region instead of
+            # summed once (and, with bf16 parameters, reduced once per region in bf16; with the cache on, once
+            # per region through the cast the regions share): not bitwise comparable, with or without autocast,
+            # stock or patched. Compared where the sums agree: fp32 parameters, one sharded module, two
+            # regions, one backward, no shared cast.
         if self.frontend in ("composable", "selective") and self.history == "retain_graph":
             return False  # torch: neither recomputes twice (a spent context manager; "backward once" for SAC)
         if self.frontend == "composable" and self.hooks == "pre_after_prepend":
@@ -125,7 +195,7 @@ class Cell:
             return False  # torch 2.13+: FSDP's output cast in the recompute runs ops (a profiler range, a copy)
             # that selective checkpointing counts; with a forward hook after FSDP's the recompute's op sequence
             # differs from the forward's ("... not found in storage"), stock or patched
-        if (self.history == "mixed_states" and self.frontend not in REENTRANT + ("none",)
+        if (self.runs_a_module_twice() and self.frontend not in REENTRANT + ("none",)
                 and not _recompute_unshards()):
             return False  # torch before ~2.8: a module run twice before one backward finds its parameters
             # resharded in its recompute ("mixed torch.Tensor and DTensor"), stock or patched
@@ -145,7 +215,7 @@ class Cell:
         return True
 
 
-#: Every case of issue 9, named, with what stock torch does in it: ``broken`` on every torch, ``buggy torch``
+#: The named cases (issues 9 and 15), with what stock torch does in it: ``broken`` on every torch, ``buggy torch``
 #: only where torch skips FSDP's casts in the recompute (2.4-2.12), ``fine`` where stock is right and the
 #: patch must keep it so. Always part of :func:`sample`; tested by name in tests/test_regressions.py.
 NAMED: dict[str, tuple[Cell, str]] = {
@@ -178,8 +248,35 @@ NAMED: dict[str, tuple[Cell, str]] = {
         (Cell("fn_disable", "fp32_params", "bf16", "inside", "none", "none", "root"), "broken"),
     "eval_forward_in_autocast_region_then_training_no_checkpoint":
         (Cell("none", "fp32_params", "bf16", "inside", "eval_in_region", "none", "root"), "broken"),
-    "two_forwards_in_one_autocast_region_then_two_backwards":
-        (Cell("none", "fp32_params", "bf16", "inside", "same_region", "none", "root"), "broken"),
+    "two_forwards_in_one_autocast_region_one_backward_no_checkpoint":
+        (Cell("none", "fp32_params", "bf16", "inside", "two_passes", "none", "root"), "fine"),
+    # 4. A call is all it was given, and a recompute shares what its forward shared (issue 15).
+    "shared_first_tensor_micro_batches_eval_between_custom_checkpoint":
+        (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "micro_batches", "none", "root", "module",
+              "shared_first"), "broken"),
+    "inputs_in_a_tuple_micro_batches_eval_between_custom_checkpoint":
+        (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "micro_batches", "none", "root", "module",
+              "tuple"), "broken"),
+    "block_twice_in_one_reentrant_checkpoint":
+        (Cell("torch_reentrant", "fp32_params", "bf16", "outside", "none", "none", "root", "twice"), "fine"),
+    "block_twice_in_one_checkpoint_custom_checkpoint":
+        (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "none", "none", "root", "twice"), "broken"),
+    "block_twice_no_checkpoint":
+        (Cell("none", "fp32_params", "bf16", "outside", "none", "none", "root", "twice"), "fine"),
+    "layers_twice_in_one_torch_checkpoint_backward_inside":
+        (Cell("torch", "fp32_params", "bf16", "inside", "none", "none", "layers", "twice"), "fine"),
+    "preprocessing_before_the_sharded_call_torch_checkpoint":
+        (Cell("torch", "bf16_params", "bf16", "outside", "none", "none", "layers", "pre_ops"), "fine"),
+    "two_sharded_blocks_in_one_torch_checkpoint":
+        (Cell("torch", "bf16_params", "bf16", "outside", "none", "none", "layers", "two_modules"), "fine"),
+    "one_block_across_two_torch_checkpoints":
+        (Cell("torch", "fp32_params", "bf16", "inside", "none", "none", "root", "across"), "fine"),
+    "keyword_arguments_only_eval_before_custom_checkpoint":
+        (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "eval_before", "none", "layers", "module",
+              "kwargs"), "broken"),
+    "views_of_one_batch_micro_batches_reentrant_custom_checkpoint":
+        (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "micro_batches", "none", "root", "module",
+              "views"), "broken"),
 }
 if deepspeed_available():
     NAMED.update({
@@ -190,6 +287,13 @@ if deepspeed_available():
         "deepspeed_non_reentrant_checkpoint_backward_outside_autocast":
             (Cell("deepspeed_non_reentrant", "fp32_params", "bf16", "outside", "none", "none", "root"), "broken"),
     })
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_supported() -> bool:
+    from scenarios import fsdp_supports
+
+    return fsdp_supports("grouped")
 
 
 @functools.lru_cache(maxsize=None)
@@ -210,71 +314,140 @@ def all_cells() -> list[Cell]:
 
 
 def sample(n: int, seed: int = 0) -> list[Cell]:
-    """``n`` cells: the named ones, then every value of every dimension at least once, then drawn with ``seed``."""
-    cells = all_cells()
+    """``n`` cells: the named ones, then every value of every dimension at least once, then valid cells drawn
+    uniformly from the product with ``seed`` (the product is millions of cells: it is never listed)."""
     rng = random.Random(seed)
-    rng.shuffle(cells)
-    chosen: list[Cell] = [cell for cell, _ in NAMED.values()]
+    chosen: list[Cell] = list(dict.fromkeys(cell for cell, _ in NAMED.values()))
+    seen = set(chosen)
+
+    def draw(**fixed: str) -> Cell | None:
+        for _ in range(10_000):
+            cell = Cell(**{f.name: fixed.get(f.name) or rng.choice(DIMENSIONS[f.name]) for f in fields(Cell)})
+            if cell.valid() and cell not in seen:
+                seen.add(cell)
+                return cell
+        return None  # no valid cell with this value (say, DeepSpeed's front ends where it is not installed)
+
     for f in fields(Cell):  # cover each value first
         for value in DIMENSIONS[f.name]:
             if not any(getattr(c, f.name) == value for c in chosen):
-                match = next((c for c in cells if getattr(c, f.name) == value and c not in chosen), None)
-                if match is not None:
-                    chosen.append(match)
-    chosen += [c for c in cells if c not in chosen][: max(0, n - len(chosen))]
+                cell = draw(**{f.name: value})
+                if cell is not None:
+                    chosen.append(cell)
+    while len(chosen) < n:
+        cell = draw()
+        if cell is None:
+            break
+        chosen.append(cell)
     return chosen
 
 
-# -- modules ------------------------------------------------------------------------------------------
+# -- modules and call signatures -----------------------------------------------------------------------
+
+def invoke(module: Callable[..., torch.Tensor], x: torch.Tensor, s: torch.Tensor | None,
+           signature: str) -> torch.Tensor:
+    """Call ``module`` on input ``x`` and shared tensor ``s`` the way ``signature`` says."""
+    if signature in ("tensor", "views"):
+        return module(x)
+    if signature == "shared_first":
+        return module(s, x)
+    if signature == "kwargs":
+        return module(x=x, s=s)
+    if signature == "tuple":
+        return module((x, s))
+    if signature == "dict":
+        return module({"x": x, "s": s})
+    raise ValueError(signature)
+
+
+def unpack(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(x, s)`` from any call :func:`invoke` makes."""
+    if kwargs:
+        return kwargs["x"], kwargs.get("s")
+    first, *rest = args
+    if isinstance(first, tuple):
+        return first[0], first[1]
+    if isinstance(first, dict):
+        return first["x"], first["s"]
+    return (rest[0], first) if rest else (first, None)
 
 
 class Block(nn.Module):
     """``gelu``, ``log_softmax``, a linear layer: its recompute notices a lost input cast (gelu in another
     dtype), lost autocast (log_softmax runs in fp32 under autocast, the linear layer in the low precision) and
-    a lost output cast (the linear layer's output is low precision)."""
+    a lost output cast (the linear layer's output is low precision). The shared tensor, where given, is added
+    first."""
 
-    def __init__(self) -> None:
+    def __init__(self, signature: str = "tensor") -> None:
         super().__init__()
         self.lin = nn.Linear(DIM, DIM)
+        self.signature = signature
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        x, s = unpack(args, kwargs)
+        if s is not None:
+            x = x + 0.5 * s
         return self.lin(F.log_softmax(F.gelu(x), dim=-1).to(self.lin.weight.dtype))
 
 
 class Outer(nn.Module):
     """A layer holding a sharded sub-layer."""
 
-    def __init__(self) -> None:
+    def __init__(self, signature: str = "tensor") -> None:
         super().__init__()
-        self.sub = Block()
+        self.sub = Block(signature)
         self.lin = nn.Linear(DIM, DIM)
+        self.signature = signature
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(self.sub(F.gelu(x)).to(self.lin.weight.dtype))
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        x, s = unpack(args, kwargs)
+        h = invoke(self.sub, F.gelu(x), s, self.signature)
+        return self.lin(h.to(self.lin.weight.dtype))
+
+
+class Pair(nn.Module):
+    """Two blocks one after the other: ``fully_shard([pair.a, pair.b])`` makes them one group."""
+
+    def __init__(self, signature: str = "tensor") -> None:
+        super().__init__()
+        self.a, self.b = Block(signature), Block(signature)
+        self.signature = signature
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        x, s = unpack(args, kwargs)
+        return invoke(self.b, invoke(self.a, x, s, self.signature), s, self.signature)
 
 
 class Stack(nn.Module):
-    """Runs its units in order, each through :attr:`run` (the checkpoint front end)."""
+    """Runs its units in order, or through :attr:`body` (the cell's checkpointed regions) where set."""
 
-    def __init__(self, units: list[nn.Module]) -> None:
+    def __init__(self, units: list[nn.Module], signature: str = "tensor") -> None:
         super().__init__()
         self.units = nn.ModuleList(units)
-        self.run: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda unit, x: unit(x)
+        self.signature = signature
+        self.body: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        x, s = unpack(args, kwargs)
+        if self.body is not None:
+            return self.body(x, s)
         for unit in self.units:
-            x = self.run(unit, x)
+            x = invoke(unit, x, s, self.signature)
         return x
 
 
-def _build(topology: str) -> nn.Module:
+def _build(topology: str, signature: str = "tensor") -> nn.Module:
     if topology == "root":
-        return Block()
+        return Block(signature)
     if topology in ("layers", "grouped_each"):
-        return Stack([Block(), Block()])
+        return Stack([Block(signature), Block(signature)], signature)
     if topology == "nested":
-        return Stack([Outer(), Outer()])
-    return Stack([nn.Sequential(Block(), Block())])  # grouped: fully_shard([a, b]) around the pair
+        return Stack([Outer(signature), Outer(signature)], signature)
+    return Stack([Pair(signature)], signature)  # grouped: fully_shard([a, b]) around the pair
+
+
+def _members(pair: nn.Module) -> list[nn.Module]:
+    return [pair.a, pair.b]
 
 
 def _policy(precision: str) -> dict[str, Any]:
@@ -302,8 +475,8 @@ def _shard(model: nn.Module, topology: str, fully_shard: Callable[..., Any], pol
             fully_shard(unit, mp_policy=policy)
             sharded += [unit.sub, unit]
         elif topology == "grouped":
-            fully_shard(list(unit), mp_policy=policy)
-            sharded += list(unit)
+            fully_shard(_members(unit), mp_policy=policy)
+            sharded += _members(unit)
         else:
             fully_shard(unit, mp_policy=policy)
             sharded.append(unit)
@@ -318,18 +491,17 @@ class _FunctionCheckpoint(torch.autograd.Function):
     """A hand-written reentrant-style checkpoint; ``mode`` says what the recompute's autocast state is."""
 
     @staticmethod
-    def forward(ctx: Any, fn: Callable[[torch.Tensor], torch.Tensor], mode: str, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, fn: Callable[..., torch.Tensor], mode: str, *tensors: torch.Tensor) -> torch.Tensor:
         ctx.fn, ctx.mode = fn, mode
         ctx.autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
                         torch.is_autocast_cache_enabled())
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(*tensors)
         with torch.no_grad():
-            return fn(x)
+            return fn(*tensors)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
-        (x,) = ctx.saved_tensors
-        x = x.detach().requires_grad_(x.requires_grad)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        tensors = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
         enabled, dtype, cache = ctx.autocast
         if ctx.mode == "restore":
             context: Any = torch.autocast("cpu", dtype=dtype, enabled=enabled, cache_enabled=cache)
@@ -338,58 +510,102 @@ class _FunctionCheckpoint(torch.autograd.Function):
         else:  # "no_restore": whatever the backward runs under
             context = contextlib.nullcontext()
         with torch.enable_grad(), context:
-            out = ctx.fn(x)
+            out = ctx.fn(*tensors)
         torch.autograd.backward(out, grad)
-        return None, None, x.grad
+        return (None, None, *(t.grad for t in tensors))
 
 
-def _selective(fn: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+def _selective(fn: Callable[..., Any], *tensors: torch.Tensor) -> torch.Tensor:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     context_fn = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
-    return checkpoint(fn, x, use_reentrant=False, context_fn=context_fn)
+    return checkpoint(fn, *tensors, use_reentrant=False, context_fn=context_fn)
 
 
-def _deepspeed(non_reentrant: bool) -> Callable[[Callable[..., Any], torch.Tensor], torch.Tensor]:
+def _deepspeed(non_reentrant: bool) -> Callable[..., torch.Tensor]:
     from deepspeed import checkpointing as ds
 
     return ds.non_reentrant_checkpoint if non_reentrant else ds.checkpoint
 
 
-def frontend_fn(frontend: str) -> Callable[[Callable[..., Any], torch.Tensor], torch.Tensor]:
-    """``run(fn, x)`` for a front end that wraps a call; a plain call for the module-level ones."""
+def frontend_fn(frontend: str) -> Callable[..., torch.Tensor]:
+    """``run(fn, *tensors)`` for a front end that wraps a call; a plain call for the module-level ones."""
     if frontend in ("none", "wrapper", "composable"):
-        return lambda fn, x: fn(x)
+        return lambda fn, *tensors: fn(*tensors)
     if frontend == "torch":
-        return lambda fn, x: checkpoint(fn, x, use_reentrant=False)
+        return lambda fn, *tensors: checkpoint(fn, *tensors, use_reentrant=False)
     if frontend == "torch_reentrant":
-        return lambda fn, x: checkpoint(fn, x, use_reentrant=True)
+        return lambda fn, *tensors: checkpoint(fn, *tensors, use_reentrant=True)
     if frontend == "selective":
         return _selective
     if frontend.startswith("fn_"):
         mode = frontend[3:]
-        return lambda fn, x: _FunctionCheckpoint.apply(fn, mode, x)
+        return lambda fn, *tensors: _FunctionCheckpoint.apply(fn, mode, *tensors)
     if frontend.startswith("deepspeed"):
         return _deepspeed(frontend.endswith("non_reentrant"))
     raise ValueError(frontend)
 
 
-def _wrap_units(model: nn.Module, topology: str, frontend: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Set up the front end on the model; return the call that runs one step's forward."""
-    run = frontend_fn(frontend)
+# -- regions: what a checkpointed function runs -------------------------------------------------------
+
+Step = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def _pre(x: torch.Tensor) -> torch.Tensor:
+    """Unsharded ops before the sharded call, inside the region (a norm, a residual)."""
+    return x + 0.5 * torch.tanh(x)
+
+
+def _regions(units: list[Step], region: str) -> list[Step]:
+    """The functions one forward checkpoints, in order, each from ``(x, s)`` to the next ``x``."""
+    if region in ("module", "nested"):  # nested: each run inside a checkpoint of its own (see _body)
+        return list(units)
+    if region == "pre_ops":
+        return [lambda x, s, u=u: u(_pre(x), s) for u in units]
+    if region == "twice":
+        return [lambda x, s, u=u: u(u(x, s), s) for u in units]
+    if region == "two_modules":
+        first, second = units
+        return [lambda x, s: second(first(x, s), s)]
+    if region == "across":
+        return [u for u in units for _ in range(2)]
+    raise ValueError(region)
+
+
+def _body(steps: list[Step], run: Callable[..., torch.Tensor], nested: bool) -> Step:
+    """Run ``steps`` one after the other, each through the front end ``run`` (twice over if ``nested``)."""
+    def through(step: Step, x: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        if s is None:
+            return run(lambda h: step(h, None), x)
+        return run(step, x, s)
+
+    def body(x: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        for step in steps:
+            x = through((lambda h, t, step=step: through(step, h, t)) if nested else step, x, s)
+        return x
+
+    return body
+
+
+def _forward(model: nn.Module, outer: nn.Module, cell: Cell, s: torch.Tensor | None,
+             preserve: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Set the cell's front end and regions up on the model (``outer``: what wraps it, if anything); return the
+    call that runs one step's forward. ``preserve``: the front end through ``preserve_autocast``."""
+    signature, topology, frontend = cell.signature, cell.topology, cell.frontend
+    units = [outer] if topology == "root" else list(model.units)
+    views = units
     if frontend == "wrapper":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        if topology == "root":
-            wrapped = checkpoint_wrapper(model)
-            return lambda x: wrapped(x)
-        views = {id(u): checkpoint_wrapper(u) for u in model.units}  # views, not submodules: sharded after
-        model.run = lambda unit, x: views[id(unit)](x)
-        return model
+        views = [checkpoint_wrapper(u) for u in units]  # views, not submodules: sharded after
+    steps = [functools.partial(lambda u, x, t: invoke(u, x, t, signature), u) for u in views]
+    run = frontend_fn(frontend)
+    body = _body(_regions(steps, cell.region), fsdp_autocast_fix.preserve_autocast(run) if preserve else run,
+                 cell.region == "nested")
     if topology == "root":
-        return lambda x: run(model, x)
-    model.run = run
-    return model
+        return lambda x: body(x, s)
+    model.body = body
+    return lambda x: invoke(outer, x, s, signature)
 
 
 def _composable(model: nn.Module, topology: str) -> None:
@@ -411,12 +627,26 @@ def _mix(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _register_hooks(modules: list[nn.Module], hooks: str, weight: torch.Tensor) -> None:
     for module in modules:
         if hooks.startswith("pre"):
-            module.register_forward_pre_hook(lambda m, args: (_mix(args[0], weight),) + tuple(args[1:]),
-                                             prepend=hooks.endswith("prepend"))
+            module.register_forward_pre_hook(lambda m, args, kwargs: _map_x(args, kwargs, lambda x: _mix(x, weight)),
+                                             prepend=hooks.endswith("prepend"), with_kwargs=True)
         elif hooks == "post_after_bf16":
             module.register_forward_hook(lambda m, args, out: _mix(out, weight).to(BF16))
         elif hooks.startswith("post"):
             module.register_forward_hook(lambda m, args, out: _mix(out, weight))
+
+
+def _map_x(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A pre-hook's result: the call's arguments with its input ``x`` (wherever the signature puts it) mapped."""
+    if kwargs:
+        return args, {**kwargs, "x": fn(kwargs["x"])}
+    first, *rest = args
+    if isinstance(first, tuple):
+        return ((fn(first[0]), first[1]),), kwargs
+    if isinstance(first, dict):
+        return ({**first, "x": fn(first["x"])},), kwargs
+    if rest:
+        return (first, fn(rest[0])), kwargs
+    return (fn(first),), kwargs
 
 
 # -- steps --------------------------------------------------------------------------------------------
@@ -436,26 +666,31 @@ def _other_autocast(autocast: str, cache: bool) -> Any:
 
 
 def _step(cell: Cell, forward: Callable[[torch.Tensor], torch.Tensor], model: nn.Module,
-          inputs: list[torch.Tensor], cache: bool) -> None:
+          eval_call: Callable[[torch.Tensor], Any], inputs: list[torch.Tensor], cache: bool,
+          reference: bool) -> None:
     """Run the cell's history around its training step(s): forwards through the checkpoint, backwards, evals.
 
     ``backward == "inside"`` runs each backward in the autocast region of its forward where the history
-    keeps that region open, else in a fresh region with the same state.
+    keeps that region open, else in a fresh region with the same state. ``reference``: the ground truth's run,
+    where a cast cached by the eval forward inside the training's autocast region is dropped after it, as plain
+    PyTorch must not reuse it (pytorch issue 158232; a no-op for the unsharded model from torch 2.12).
     """
     ac = functools.partial(_autocast, cell.autocast, cache)
     inside = cell.backward == "inside"
     x, x2, x_eval = inputs
 
     def eval_forward(data: torch.Tensor | None = None, autocast: bool = False) -> None:
-        run = getattr(model, "run", None)
+        body = getattr(model, "body", None)
         try:
-            if run is not None:
-                model.run = lambda unit, h: unit(h)  # an eval pass: the model's own calls, no checkpoint
+            if body is not None:
+                model.body = None  # an eval pass: the model's own calls, no checkpoint
             with torch.no_grad(), contextlib.nullcontext() if autocast else torch.autocast("cpu", enabled=False):
-                model(x_eval if data is None else data)
+                eval_call(x_eval if data is None else data)
         finally:
-            if run is not None:
-                model.run = run
+            if body is not None:
+                model.body = body
+        if reference and autocast:
+            torch.clear_autocast_cache()
 
     def backward(out: torch.Tensor, fresh_region: bool = True, **kwargs: Any) -> None:
         with ac() if inside and fresh_region else contextlib.nullcontext():
@@ -482,8 +717,10 @@ def _step(cell: Cell, forward: Callable[[torch.Tensor], torch.Tensor], model: nn
         if history == "eval_in_region":
             eval_forward(autocast=True)
         out = forward(x)
-        if history == "same_region":
+        if history in ("same_region", "two_passes"):
             out2 = forward(x2)
+        if history == "two_passes":  # two forward passes in one region, one backward (two views of a batch)
+            out = out.float() + out2.float()
         if inside:
             if history == "eval_between":
                 eval_forward()
@@ -539,9 +776,16 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def _inputs(seed: int) -> list[torch.Tensor]:
+def _inputs(seed: int, signature: str) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+    """``[x, x2, x_eval]``, the tensors whose gradients are compared, and the shared tensor (``None`` for one
+    tensor). ``views``: the three are views of one batch (its gradient is compared)."""
     gen = torch.Generator().manual_seed(seed + 1)
-    return [torch.randn(4, DIM, generator=gen, requires_grad=i < 2) for i in range(3)]
+    if signature == "views":
+        batch = torch.randn(12, DIM, generator=gen, requires_grad=True)
+        return [batch[:4], batch[4:8], batch.detach()[8:]], [batch], None
+    inputs = [torch.randn(4, DIM, generator=gen, requires_grad=i < 2) for i in range(3)]
+    shared = None if signature == "tensor" else torch.randn(4, DIM, generator=gen)
+    return inputs, inputs[:2], shared
 
 
 @contextlib.contextmanager
@@ -556,12 +800,13 @@ def _mode(mode: str) -> Iterator[Callable[..., Any]]:
         fsdp_autocast_fix.remove()
 
 
-def run(cell: Cell, mode: str, *, cache: bool = True, sharding: str = "fsdp2", seed: int = 0) -> Result:
-    """One run of ``cell`` in ``mode``; ``sharding`` ``fsdp1`` / ``none`` for the truth's own checks."""
+def run(cell: Cell, mode: str, *, cache: bool = True, sharding: str = "fsdp2", seed: int = 0,
+        reference: bool = False) -> Result:
+    """One run of ``cell`` in ``mode``; ``sharding`` ``fsdp1`` / ``none`` for the references (see :func:`truth`)."""
     torch.manual_seed(seed)
-    model = _build(cell.topology)
+    model = _build(cell.topology, cell.signature)
     weight = torch.randn(DIM, DIM, generator=torch.Generator().manual_seed(seed + 7)) / DIM
-    inputs = _inputs(seed)
+    inputs, compared, shared = _inputs(seed, cell.signature)
     policy_cls = _compat.fsdp_package().MixedPrecisionPolicy
     with _mode(mode) as fully_shard:
         if cell.frontend == "composable":
@@ -579,14 +824,13 @@ def run(cell: Cell, mode: str, *, cache: bool = True, sharding: str = "fsdp2", s
             _register_hooks(sharded, cell.hooks, weight)
         if mode == "late_apply":
             fsdp_autocast_fix.apply()
-        forward = _wrap_units(model, cell.topology, cell.frontend)
-        if outer is not model:
-            forward = outer
+        forward = _forward(model, outer, cell, shared, preserve=mode != "stock" and cell.needs_preserve_autocast())
         try:
-            _step(cell, forward, model, inputs, cache)
+            _step(cell, forward, model, lambda data: invoke(outer, data, shared, cell.signature), inputs, cache,
+                  reference)
         except Exception as e:  # the positive control's failure, or a patched mode's
             return Result(error=e)
-    return Result(grads=[_full(x.grad) for x in inputs[:2]] + [_full(p.grad) for p in model.parameters()])
+    return Result(grads=[_full(x.grad) for x in compared] + [_full(p.grad) for p in model.parameters()])
 
 
 def _hookable(model: nn.Module, topology: str) -> list[nn.Module]:
@@ -597,7 +841,7 @@ def _hookable(model: nn.Module, topology: str) -> list[nn.Module]:
         return list(model.units) + [model]
     modules: list[nn.Module] = []
     for unit in model.units:
-        modules += [unit.sub, unit] if topology == "nested" else list(unit) if topology == "grouped" else [unit]
+        modules += [unit.sub, unit] if topology == "nested" else _members(unit) if topology == "grouped" else [unit]
     return modules + [model]
 
 
@@ -611,6 +855,18 @@ def _fsdp1(model: nn.Module, topology: str) -> nn.Module:
     return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
 
 
+def reference_sharding(cell: Cell) -> str:
+    """What the ground truth runs on: the unsharded model, or FSDP2 itself for FSDP2's own mixed precision."""
+    return "none" if cell.precision == "fp32_params" else "fsdp2"
+
+
 def truth(cell: Cell) -> Result:
-    """The ground truth for ``cell``: no checkpoint, stock, autocast's cast cache off."""
-    return run(dataclasses.replace(cell, frontend="none"), "stock", cache=False)
+    """The ground truth for ``cell``: the same cell without checkpoint, stock, autocast's cache as the cell has it.
+
+    It runs on the unsharded model where FSDP2 changes no arithmetic (fp32 parameters), else on FSDP2 (its
+    ``MixedPrecisionPolicy`` has no other implementation), dropping the cast cached by an eval forward inside the
+    training's autocast region after it (see :func:`_step`). tests/test_grid.py checks it against FSDP1 and
+    FSDP2 without the cache where their arithmetic is the same (each weight cast once per region).
+    """
+    return run(dataclasses.replace(cell, frontend="none"), "stock", sharding=reference_sharding(cell),
+               reference=True)

@@ -2,7 +2,7 @@
 
     python tests/grid_report.py --sample 1200 --json grid/torch-2.12.1.json   # a seeded sample
     python tests/grid_report.py --all --json grid/torch-2.12.1.json           # the whole product (hours)
-    python tests/grid_report.py --markdown grid/torch-*.json                  # README's tables
+    python tests/grid_report.py --markdown grid/torch-*.json                  # docs/testing.md's tables
 
 Each cell: the ground truth, stock (the positive control, recorded) and the three patched modes, which must
 be bitwise equal to the truth; the exit status is 1 if any patched mode of any cell is not.

@@ -1,4 +1,5 @@
-"""Fold the matrix runs (``.matrix/torch-*.json`` and ``.xml``) into ``matrix/results.json`` and README's table.
+"""Fold the matrix runs (``.matrix/torch-*.json`` and ``.xml``) into ``matrix/results.json`` and docs' tables:
+the version matrix in docs/versions.md, the scenario table in docs/testing.md.
 
 Run by ``python3 -m nox -s matrix`` after the per-version sessions; needs no torch.
 """
@@ -15,7 +16,8 @@ import xml.etree.ElementTree as ET
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RAW = ROOT / ".matrix"
 RESULTS = ROOT / "matrix" / "results.json"
-README = ROOT / "README.md"
+VERSIONS_PAGE = ROOT / "docs" / "versions.md"
+TESTING_PAGE = ROOT / "docs" / "testing.md"
 START, END = "<!-- matrix:start -->", "<!-- matrix:end -->"
 SCEN_START, SCEN_END = "<!-- scenarios:start -->", "<!-- scenarios:end -->"
 SCENARIO_TORCHES = ("2.12.1", "2.13.0")
@@ -78,7 +80,7 @@ def _scenario_table(rows: list[dict[str, object]]) -> str:
 
 
 def main() -> int:
-    """Write the results file and README's table; exit non-zero if any run had failures."""
+    """Write the results file and the docs' tables; exit non-zero if any run had failures."""
     versions = sorted({p.name[len("torch-"):-len(".xml")] for p in RAW.glob("torch-*.xml")}, key=_version_key)
     rows = [_row(v) for v in versions]
     today = datetime.date.today().isoformat()
@@ -93,9 +95,8 @@ def main() -> int:
                      f"{r['scenarios_fixed']} | {t['passed']}/{t['tests']} | {t['failures'] + t['errors']} | "
                      f"{t['skipped']} | {r['suite']} |")
     lines.append(END)
-    text = _replace(README.read_text(), START, END, "\n".join(lines))
-    text = _replace(text, SCEN_START, SCEN_END, _scenario_table(rows))
-    README.write_text(text)
+    VERSIONS_PAGE.write_text(_replace(VERSIONS_PAGE.read_text(), START, END, "\n".join(lines)))
+    TESTING_PAGE.write_text(_replace(TESTING_PAGE.read_text(), SCEN_START, SCEN_END, _scenario_table(rows)))
     block = "\n".join(lines)
     bad = [r["torch"] for r in rows if r["tests"]["failures"] or r["tests"]["errors"]]
     print(block)

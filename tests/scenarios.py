@@ -81,10 +81,26 @@ class Scenario:
     broken_on_fixed_torch: bool = False
     #: Compare with this scenario's run without checkpointing, where this one cannot run without it.
     reference_of: str | None = None
+    #: What of fully_shard it needs (:func:`fsdp_supports`); left out where this torch lacks it.
+    requires: tuple[str, ...] = ()
 
     def broken_stock(self) -> bool:
         needs = _compat.load().needs_cast_replay
         return self.broken_on_buggy_torch if needs else self.broken_on_fixed_torch
+
+
+def fsdp_supports(feature: str) -> bool:
+    """Whether this torch's ``fully_shard`` has ``feature``: ``grouped`` (a list of modules, torch 2.5+) or one
+    of its keyword arguments (``ignored_params``: 2.7+)."""
+    import inspect
+
+    from fsdp_autocast_fix import _compat as compat
+
+    fully_shard = compat.fsdp_package().fully_shard
+    parameters = inspect.signature(fully_shard).parameters
+    if feature == "grouped":
+        return "List" in str(parameters["module"].annotation) or "list" in str(parameters["module"].annotation)
+    return feature in parameters
 
 
 def _shard_root(policy_kwargs: dict[str, Any]) -> Callable[[nn.Module, Callable[..., Any], type], list[nn.Module]]:
@@ -313,8 +329,9 @@ TOPOLOGIES = {
                  _shard_with(offload_policy=lambda m: _fsdp_package().CPUOffloadPolicy(pin_memory=False)),
                  _seed_step),
         Scenario("kwargs_tuple_dict_dataclass_inputs", MixedInputs, _shard_root(SEED_POLICY), _mixed_inputs_step),
-        Scenario("ignored_params", GeluLinear, _shard_with(ignored_params=lambda m: {m.lin.bias}), _seed_step),
-        Scenario("grouped_fully_shard", Pair, _shard_pair, _root_step),
+        Scenario("ignored_params", GeluLinear, _shard_with(ignored_params=lambda m: {m.lin.bias}), _seed_step,
+                 requires=("ignored_params",)),
+        Scenario("grouped_fully_shard", Pair, _shard_pair, _root_step, requires=("grouped",)),
     ]
 }
 
@@ -433,7 +450,8 @@ FRONT_ENDS = {
         Scenario("selective_activation_checkpoint", GeluLinear, _shard_root(SEED_POLICY), _selective_step),
     ]
 }
-ALL = {**SCENARIOS, **TOPOLOGIES, **FRONT_ENDS}
+ALL = {name: s for name, s in {**SCENARIOS, **TOPOLOGIES, **FRONT_ENDS}.items()
+       if all(fsdp_supports(feature) for feature in s.requires)}
 
 
 @dataclass

@@ -44,7 +44,7 @@ def _added_hooks() -> tuple[int, int]:
 def _covered(module: nn.Module) -> bool:
     """Whether the patch sits in the place of FSDP's pre-hook entry of ``module``."""
     cover = _patch._covers.get(id(_compat.load().state_of(module)))
-    return cover is not None and any(m.slots.entry.get() is m.hook for m in cover.modules)
+    return cover is not None and any(m.placement.slots.entry.get() is m.placement.hook for m in cover.modules)
 
 
 def _fsdp_hooks(module: nn.Module) -> tuple[list[object], list[object]]:
@@ -52,7 +52,7 @@ def _fsdp_hooks(module: nn.Module) -> tuple[list[object], list[object]]:
 
 
 def _no_replays() -> bool:
-    return all(not m.replays for cover in list(_patch._covers.values()) for m in cover.modules)
+    return all(not m.replayer.replays for cover in list(_patch._covers.values()) for m in cover.modules)
 
 
 def test_apply_is_idempotent_and_remove_restores_stock() -> None:

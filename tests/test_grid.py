@@ -44,6 +44,39 @@ def test_cell(cell: G.Cell) -> None:
         assert G.run(cell, mode).verdict(truth) == "bitwise", mode
 
 
+#: Cells of the sample whose truth is checked against the other references (each costs two or three runs).
+REFERENCE_CHECKS = 40
+
+
+def test_the_truth_is_fsdp1s_and_fsdp2s_without_the_cache_where_no_cast_is_shared() -> None:
+    """Where autocast's cache gives no two uses of a parameter one cast, the truth equals FSDP2 without the cache
+    and, for fp32 parameters, FSDP1 (whose parameters autocast never caches: FSDP1 hands modules views). Where
+    it does (:meth:`grid.Cell.shares_a_cast`), the cache itself changes the bits, which the truth keeps: see
+    ``test_the_cache_changes_the_bits_where_a_cast_is_shared``."""
+    checked = 0
+    for cell in SAMPLE[:REFERENCE_CHECKS]:
+        if cell.shares_a_cast():
+            continue
+        truth = _truth(cell)
+        reference = G.dataclasses.replace(cell, frontend="none")
+        assert G.run(reference, "stock", cache=False, reference=True).verdict(truth) == "bitwise", cell.name
+        if cell.precision == "fp32_params":
+            assert G.run(reference, "stock", sharding="fsdp1").verdict(truth) == "bitwise", cell.name
+        checked += 1
+    assert checked >= REFERENCE_CHECKS // 2
+
+
+def test_the_cache_changes_the_bits_where_a_cast_is_shared() -> None:
+    """A block applied twice in one autocast region: one cast of its weight serves both uses, so the weight's
+    gradient is summed in bf16 before the cast's backward; without the cache, in fp32 after two casts. The
+    unsharded model shows it (no FSDP at all), and the truth keeps the cache's bits."""
+    cell = G.NAMED["block_twice_no_checkpoint"][0]
+    assert cell.shares_a_cast()
+    plain = G.run(cell, "stock", sharding="none", reference=True)
+    assert G.run(cell, "stock", sharding="none", cache=False, reference=True).verdict(plain) == "wrong gradients"
+    assert _truth(cell).verdict(plain) == "bitwise"
+
+
 def test_positive_controls_in_the_sample() -> None:
     """The sample exercises real failures: stock is broken through each front end that can break it."""
     broken: dict[str, int] = defaultdict(int)

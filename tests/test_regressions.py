@@ -44,15 +44,31 @@ def test_case(name: str) -> None:
         assert G.run(cell, mode).verdict(truth) == "bitwise", mode
 
 
-@pytest.mark.parametrize("name", sorted(n for n, (c, _) in CASES.items() if c.precision == "fp32_params"))
-def test_ground_truth_equals_fsdp1_and_the_unsharded_model(name: str) -> None:
-    """With fp32 parameters the truth (FSDP2, no checkpoint, no cast cache) is FSDP1's and the plain model's."""
+@pytest.mark.parametrize("name", sorted(n for n, (c, _) in CASES.items()
+                                         if c.precision == "fp32_params" and not c.shares_a_cast()))
+def test_ground_truth_equals_fsdp1_and_fsdp2_without_the_cache(name: str) -> None:
+    """With fp32 parameters and no cast shared by two uses, the truth (the plain model, no checkpoint, the cell's
+    cache) is FSDP1's and FSDP2's without the cache."""
     cell = CASES[name][0]
     truth = G.truth(cell)
     reference = G.dataclasses.replace(cell, frontend="none")
-    for sharding in ("none", "fsdp1"):
+    for sharding in ("fsdp2", "fsdp1"):
         other = G.run(reference, "stock", cache=False, sharding=sharding)
         assert other.verdict(truth) == "bitwise", sharding
+
+
+def test_two_forwards_in_one_region_backwarded_separately_are_left_to_torch_bit_for_bit() -> None:
+    """Stock FSDP2 loses the second backward's gradients through the casts the two passes share (the cells are
+    out of the grid, ``Cell.valid``); the patch cannot know at the second forward whether the passes will be
+    backwarded together, where sharing is exact (``two_forwards_in_one_autocast_region_one_backward_...``), so
+    it leaves the run to torch: the very same bits as stock."""
+    cell = G.Cell("none", "fp32_params", "bf16", "inside", "same_region", "none", "root")
+    assert not cell.valid()
+    truth = G.truth(cell)
+    stock = G.run(cell, "stock")
+    assert stock.verdict(truth) == "wrong gradients"  # the FSDP2 behaviour this documents
+    for mode in G.PATCHED_MODES:
+        assert G.run(cell, mode).same_as(stock), mode
 
 
 HOOK_PLACES = ("pre_before", "pre_after", "pre_after_prepend", "post_before", "post_after")
@@ -276,20 +292,70 @@ def test_call_with_only_a_parameter_replays_the_latest_such_call() -> None:
         assert all(r.verdict(t) == "bitwise" for r, t in zip(_run_queries(mode, True), truth)), mode
 
 
-def test_eval_on_the_same_input_between_forward_and_recompute_warns(caplog: pytest.LogCaptureFixture) -> None:
-    """The same input under two states before one recompute cannot be told apart: one warning, a documented rule."""
-    fully_shard, policy_cls = _compat.fsdp_package().fully_shard, _compat.fsdp_package().MixedPrecisionPolicy
-    fsdp_autocast_fix.apply()
-    block = G.Block()
-    fully_shard(block, mp_policy=policy_cls())
-    x = torch.randn(4, G.DIM, requires_grad=True)
-    with caplog.at_level("WARNING", logger="fsdp_autocast_fix"):
+class _GradForward(torch.autograd.Function):
+    """A reentrant-style checkpoint whose forward runs with grad enabled (it keeps nothing of the graph) and whose
+    recompute does not restore autocast: its call is not stamped, so the same input under two states stays
+    ambiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        with torch.enable_grad():
+            return fn(x).detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.fn(x)
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
+def _eval_between(checkpoint_fn: Callable[..., Any], mode: str, use_checkpoint: bool = True,
+                  on_view: bool = False) -> G.Result:
+    """Training forward through ``checkpoint_fn`` under bf16, an fp32 eval on the same batch (or a view of it),
+    then the backward outside autocast."""
+    torch.manual_seed(0)
+    with G._mode(mode) as fully_shard:
+        block = G.Block()
+        fully_shard(block, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
+        if mode == "late_apply":
+            fsdp_autocast_fix.apply()
+        x = torch.randn(4, G.DIM, requires_grad=True)
         with torch.autocast("cpu", dtype=G.BF16):
-            out = _no_restore(block, x)
+            out = checkpoint_fn(block, x) if use_checkpoint else block(x)
         with torch.no_grad():
-            block(x)
+            block(x[:] if on_view else x)
         out.float().pow(2).sum().backward()
+    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in block.parameters()])
+
+
+@pytest.mark.parametrize("on_view", [False, True])
+def test_eval_on_the_same_input_between_forward_and_recompute_is_told_apart(
+        on_view: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """A reentrant-style checkpoint recomputes in the backward of its own autograd node, made right before its
+    forward's call: the call stamped first after it is the checkpoint's, the eval's comes later. Exact, with no
+    warning, also for an eval on a view of the batch (the same memory, which a ``detach()`` cannot tell apart)."""
+    truth = _eval_between(_no_restore, "stock", use_checkpoint=False)
+    assert _eval_between(_no_restore, "stock", on_view=on_view).verdict(truth) != "bitwise"  # positive control
+    with caplog.at_level("WARNING", logger="fsdp_autocast_fix"):
+        for mode in G.PATCHED_MODES:
+            assert _eval_between(_no_restore, mode, on_view=on_view).verdict(truth) == "bitwise", mode
+    assert not [r for r in caplog.records if "autocast states" in r.getMessage()]
+
+
+def test_an_undecidable_same_input_replays_the_most_recent_call_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """Where nothing tells the calls apart (a checkpoint whose forward call runs with grad enabled): the most
+    recent call, the eval's, with one warning pointing to ``preserve_autocast``, which is exact."""
+    truth = _eval_between(_no_restore, "stock", use_checkpoint=False)
+    with caplog.at_level("WARNING", logger="fsdp_autocast_fix"):
+        assert _eval_between(_GradForward.apply, "apply").verdict(truth) == "wrong gradients"
     assert [r.getMessage() for r in caplog.records if "same input under 2 autocast states" in r.getMessage()]
+    fixed = fsdp_autocast_fix.preserve_autocast(_GradForward.apply)
+    assert _eval_between(fixed, "apply").verdict(truth) == "bitwise"
 
 
 def test_the_cast_cache_is_dropped_also_when_only_the_layers_are_covered() -> None:

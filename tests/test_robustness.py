@@ -11,27 +11,39 @@ import torch
 from test_api import Boom, RaisesInRecompute, _added_hooks, _hook_count, _sharded
 
 import fsdp_autocast_fix
-from fsdp_autocast_fix import UnsupportedTorchError, _compat, _patch
+from fsdp_autocast_fix import UnsupportedTorchError, _compat, _patch, _replay
 
 pytestmark = pytest.mark.usefixtures("pg")
 
 
-def test_ambiguous_replay_warns_once(caplog: pytest.LogCaptureFixture) -> None:
-    """A custom checkpoint, one module, two calls on the same input under different autocast states: one warning."""
+def _two_states(mode: str, use_checkpoint: bool = True) -> S.Result:
+    """One module, two checkpointed calls on the same input under bf16 and fp16 autocast, one backward, twice."""
+    torch.manual_seed(0)
     fully_shard, policy_cls = S._fsdp()
-    fsdp_autocast_fix.apply()
+    if mode == "apply":
+        fsdp_autocast_fix.apply()
     layer = S.GeluLinear()
     fully_shard(layer, mp_policy=policy_cls())
     x = torch.randn(4, S.DIM, requires_grad=True)
+    run = S.RecomputeWithoutAutocast.apply if use_checkpoint else (lambda fn, t: fn(t))
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=S.BF16):
+            first = run(layer, x)
+        with torch.autocast("cpu", dtype=torch.float16):
+            second = run(layer, x)
+        (first.float() + second.float()).sum().backward()
+    fsdp_autocast_fix.remove()
+    return S.Result(grads=[x.grad] + [p.grad.full_tensor() for p in layer.parameters()])
+
+
+def test_two_states_on_one_input_each_replay_their_own_call(caplog: pytest.LogCaptureFixture) -> None:
+    """A custom checkpoint, one module, two calls on the same input under different autocast states before one
+    backward: each recompute replays its own call (the checkpoint's autograd node tells), with no warning."""
+    truth = _two_states("stock", use_checkpoint=False)
+    assert not _two_states("stock").same_as(truth)  # positive control
     with caplog.at_level(logging.WARNING, logger="fsdp_autocast_fix"):
-        for _ in range(2):
-            with torch.autocast("cpu", dtype=S.BF16):
-                first = S.RecomputeWithoutAutocast.apply(layer, x)
-            with torch.autocast("cpu", dtype=torch.float16):
-                second = S.RecomputeWithoutAutocast.apply(layer, x)
-            (first.float() + second.float()).sum().backward()
-    warnings = [r for r in caplog.records if "on the same input under 2 autocast states" in r.getMessage()]
-    assert len(warnings) == 1
+        assert _two_states("apply").same_as(truth)
+    assert not [r for r in caplog.records if "autocast states" in r.getMessage()]
 
 
 def test_unambiguous_custom_checkpoint_does_not_warn(caplog: pytest.LogCaptureFixture) -> None:
@@ -210,8 +222,8 @@ def test_a_keyboard_interrupt_in_the_recompute_leaves_nothing_behind_at_the_next
     assert seen == stock_seen == [False, False]  # the engine restored it as the backward unwound
     assert patched.same_as(stock)
     assert _nesting() == 0  # and the patch its nesting count: the cast cache is cleared at region ends again
-    assert not _patch._frames()
-    assert not any(m.replays for cover in list(_patch._covers.values()) for m in cover.modules)
+    assert not _replay.frames()
+    assert not any(m.replayer.replays for cover in list(_patch._covers.values()) for m in cover.modules)
 
 
 def _nesting() -> int:

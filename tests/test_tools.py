@@ -14,7 +14,7 @@ import torch
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 import fsdp_autocast_fix
-from fsdp_autocast_fix import _autoapply, _compat
+from fsdp_autocast_fix import _autoapply, _compat, _probe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,6 +33,10 @@ def test_doctor_json_and_exit_code() -> None:
     assert report["torch"] == torch.__version__
     assert report["needs_cast_replay"] is _compat.load().needs_cast_replay
     assert report["patch_active_in_this_process"] is False
+    if _probe.can_probe() is not None:  # torch 2.4-2.6 without CUDA: the code check alone says it is needed
+        assert report["probe"] is None and report["probe_skipped"] == _probe.can_probe()
+        assert proc.returncode == report["exit_code"] == 1 and "apply()" in report["advice"]
+        return
     probe = {r["checkpoint"] + ":" + r["pattern"]: r for r in report["probe"]}
     assert all(r["patched"] == "ok" for r in probe.values())
     custom = next(r for r in report["probe"] if r["checkpoint"] == "custom")
@@ -42,6 +46,15 @@ def test_doctor_json_and_exit_code() -> None:
     # Something needs doing and the patch is not active in the doctor's own process: non-zero, one line of advice.
     assert proc.returncode == report["exit_code"] == 1
     assert "apply()" in report["advice"]
+
+
+def test_doctor_points_to_the_report_for_the_users_own_run() -> None:
+    from fsdp_autocast_fix.__main__ import REPORT_HINT
+
+    proc = _python("-m", "fsdp_autocast_fix", "doctor")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == REPORT_HINT
+    assert "FSDP_AUTOCAST_FIX_REPORT=1" in REPORT_HINT
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["doctor"], ["autoapply"]])
@@ -63,6 +76,9 @@ def test_help_documents_every_command_and_its_exit_codes(command: list[str], cap
 
 def test_demo() -> None:
     proc = _python("-m", "fsdp_autocast_fix", "demo")
+    if _probe.can_probe() is not None:  # documented: exit 1 where the probe cannot run (torch < 2.7, no CUDA)
+        assert proc.returncode == 1 and f"cannot run the probe here: {_probe.can_probe()}" in proc.stderr
+        return
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if not line.startswith("[Gloo]")]  # gloo 2.8-2.10 prints
     assert lines[0] == f"torch {torch.__version__}"
@@ -73,7 +89,8 @@ def test_pth_line_imports_nothing_without_the_variable(tmp_path) -> None:
     (tmp_path / _autoapply.PTH_NAME).write_text(_autoapply.pth_line())
     code = (f"import site, sys; site.addsitedir({str(tmp_path)!r}); "
             "print(sorted(m for m in sys.modules if m.startswith(('wrapt', 'torch', 'fsdp_autocast_fix'))))")
-    assert _python("-c", code).stdout.strip() == "[]"
+    # (not the suite's own CPU stand-ins either, which tests/standins_site would bring in on torch 2.4-2.6)
+    assert _python("-c", code, env={"FSDP_AUTOCAST_FIX_TEST_CPU_STANDINS": ""}).stdout.strip() == "[]"
 
 
 @pytest.mark.usefixtures("pg")

@@ -1,0 +1,117 @@
+"""The autocast state as plain scalars: read it, enter it, leave it.
+
+Invariant: :func:`capture` returns a value that compares equal exactly when the autocast state (enabled and dtype
+per device type given, and the cache flag) is the same, holds no tensor, and :class:`Entered` of it sets that state
+until it is released (:class:`Entered`), which restores the one before, as ``torch.autocast`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_any_autocast_enabled = torch._C._is_any_autocast_enabled
+_is_autocast_enabled = torch.is_autocast_enabled
+_get_autocast_dtype = torch.get_autocast_dtype
+_is_autocast_cache_enabled = torch.is_autocast_cache_enabled
+
+#: Captured when no autocast is enabled anywhere: entering it disables autocast.
+ALL_OFF = "all-off"
+
+
+def capture(device_types: tuple[str, ...]) -> Any:
+    """The autocast state now: :data:`ALL_OFF`, or ``((enabled, dtype) per device type, cache)``."""
+    if not _any_autocast_enabled():
+        return ALL_OFF
+    return capture_enabled(device_types)
+
+
+def capture_enabled(device_types: tuple[str, ...]) -> Any:
+    """:func:`capture` where some autocast is known to be enabled."""
+    if len(device_types) == 1:  # CPU alone: the common case, spelled out
+        return ((_is_autocast_enabled("cpu"), _get_autocast_dtype("cpu")),), _is_autocast_cache_enabled()
+    per_device = tuple([(_is_autocast_enabled(d), _get_autocast_dtype(d)) for d in device_types])
+    return per_device, _is_autocast_cache_enabled()
+
+
+def _read(device_types: tuple[str, ...]) -> Any:
+    return tuple([(_is_autocast_enabled(d), _get_autocast_dtype(d)) for d in device_types]), \
+        _is_autocast_cache_enabled()
+
+
+def _write(state: Any, device_types: tuple[str, ...]) -> None:
+    per_device, cache_enabled = state
+    for device_type, (enabled, dtype) in zip(device_types, per_device):
+        torch.set_autocast_enabled(device_type, enabled)
+        torch.set_autocast_dtype(device_type, dtype)
+    torch.set_autocast_cache_enabled(cache_enabled)
+
+
+class Entered:
+    """An autocast state entered as ``torch.autocast`` enters it, that can pause between the calls it covers.
+
+    Invariant: from construction to :meth:`release`, autocast's nesting count on this thread is one higher per
+    device type, so the casts cached under it survive a :meth:`pause` (the state before it back) and are found
+    again after :meth:`resume`; :meth:`release` leaves the state as before (``restore``) or as it is (after an
+    interrupt: the autograd engine restored it), and where the count returns to zero drops the cached casts
+    and restores the cache flag, as leaving ``torch.autocast`` does.
+    """
+
+    __slots__ = ("state", "before", "device_types", "thread", "active")
+
+    def __init__(self, captured: Any, device_types: tuple[str, ...]) -> None:
+        if captured is ALL_OFF:
+            captured = tuple((False, _get_autocast_dtype(d)) for d in device_types), _is_autocast_cache_enabled()
+        self.state, self.device_types = captured, device_types
+        self.thread = threading.get_ident()
+        self.before = _read(device_types)
+        for _ in device_types:
+            torch.autocast_increment_nesting()
+        _write(captured, device_types)
+        self.active = True
+
+    def pause(self) -> None:
+        """Put the state from before back, keeping the count (and the cached casts)."""
+        if self.active:
+            _write(self.before, self.device_types)
+            self.active = False
+
+    def resume(self) -> None:
+        """Enter the state again over what is current now."""
+        if not self.active:
+            self.before = _read(self.device_types)
+            _write(self.state, self.device_types)
+            self.active = True
+
+    def release(self, restore: bool = False) -> None:
+        """Leave the state for good (see the class docstring)."""
+        if restore and self.active:
+            _write(self.before, self.device_types)
+        self.active = False
+        nesting = -1
+        for _ in self.device_types:
+            nesting = torch.autocast_decrement_nesting()
+        if nesting == 0:
+            torch.clear_autocast_cache()
+            torch.set_autocast_cache_enabled(self.before[1])
+
+
+def nesting() -> int:
+    """Autocast's nesting count on this thread now (torch has no getter: up and down again)."""
+    count = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return count
+
+
+@contextlib.contextmanager
+def entered(captured: Any, device_types: tuple[str, ...]) -> Iterator[None]:
+    """Run the block under the autocast state ``captured`` (every device type given), then leave it."""
+    state = Entered(captured, device_types)
+    try:
+        yield
+    finally:
+        state.release(restore=True)

@@ -1,0 +1,144 @@
+"""When autocast's cached casts are dropped (pytorch issue 158232).
+
+Autocast caches the low-precision cast of each parameter it casts until its outermost region ends, and FSDP2
+runs every forward on the same unsharded parameter tensors. A cast cached by one pass and reused by a later
+pass whose backward runs on its own loses that pass's parameter gradients: before torch 2.12 a cast made under
+``no_grad`` has no autograd history at all, and in any torch the reused cast's backward node is older than
+FSDP's post-backward hook of the pass that reuses it, so its gradient reaches the parameter after FSDP has
+reduced the gradients. Two kinds of pass make such casts, and the patch sees both:
+
+* a covered module's call under ``no_grad`` (an eval pass, a reentrant checkpoint's forward): its casts are
+  a hazard for that module's later grad-enabled calls;
+* a covered module's recompute in one backward (graph task): its casts are a hazard for the module's calls
+  outside that backward (a second backward with ``retain_graph``, the next forward in the same region).
+
+Invariant: the patch drops the cache before a grad-enabled call of a covered module under autocast (ordinary or
+recomputed, or a function checkpointed through :func:`fsdp_autocast_fix.preserve_autocast`) exactly when such
+a hazard was noted for that module's FSDP state and the cache still holds what it held then; nowhere else. So
+the sharded calls of one forward, of one checkpointed region and of its recompute, the forward passes of one
+region, and modules other than the one with the hazard (a frozen teacher run under ``no_grad``, a reference
+model) share their casts as plain autocast shares them. Whether the cache still holds a hazard's casts is
+told by a sentinel: when the first hazard is noted, a one-element cast of the patch's own is cached beside
+them, held by a weak reference; it is alive exactly as long as autocast's cache holds it, so it dies with the
+region end that clears the cache (a backward outside autocast ends the forward's region: nothing is at stake
+then, and nothing is dropped).
+
+Two forward passes of one module in one autocast region backwarded separately without a checkpoint are left
+to torch: no pass of the patch's runs between them, and whether they will be backwarded together (then sharing
+is exact) is not known at the second forward.
+
+Autocast's cache belongs to the thread, and so does this bookkeeping.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from . import _report
+
+_clear_autocast_cache = torch.clear_autocast_cache
+_is_autocast_enabled = torch.is_autocast_enabled
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
+_tls = threading.local()
+#: How many threads hold hazards: the one thing an ordinary grad-enabled call reads when none does.
+active = [0]
+#: A hazard's scope: the FSDP state whose parameters' casts it concerns, or every state.
+EVERY_STATE: Any = object()
+_sentinels: dict[str, torch.Tensor] = {}
+
+
+def _same(t: Any) -> Any:
+    return t  # pragma: no cover - the sentinel's op is never backwarded
+
+
+class _Hazards:
+    """This thread's hazards since the last drop: FSDP state key -> the graph task that made the casts (-1: a
+    ``no_grad`` call, a hazard for every later grad-enabled call), and the sentinel cast of the cache then."""
+
+    __slots__ = ("by_state", "sentinel")
+
+    def __init__(self) -> None:
+        self.by_state: dict[Any, int] = {}
+        self.sentinel: Any = None
+
+
+def _hazards() -> _Hazards:
+    try:
+        return _tls.hazards  # type: ignore[no-any-return]
+    except AttributeError:
+        _tls.hazards = _Hazards()
+        return _tls.hazards  # type: ignore[no-any-return]
+
+
+def note(state: Any, task: int, device_types: tuple[str, ...]) -> None:
+    """A covered call of ``state`` under autocast with the cache on made casts that are a hazard: under
+    ``no_grad`` (``task`` -1), or in the recompute of graph task ``task``."""
+    hazards = _hazards()
+    if hazards.by_state and not _still_cached(hazards):  # the cache was cleared since: those are gone
+        _reset(hazards)
+    if not hazards.by_state:
+        active[0] += 1
+        hazards.sentinel = _sentinel_cast(device_types)
+    if task == -1 or hazards.by_state.get(state) != -1:  # a no_grad hazard outranks a recompute's
+        hazards.by_state[state] = task
+
+
+def check(state: Any, task: int, owner: str) -> None:
+    """A grad-enabled covered call of ``state`` (in graph task ``task``; -1 outside backward) under autocast with
+    the cache on: drop the cache if a hazard for this state applies and its casts are still cached."""
+    hazards = _hazards()
+    made_in = hazards.by_state.get(state, hazards.by_state.get(EVERY_STATE))
+    if made_in is None or (made_in != -1 and made_in == task):
+        return  # no hazard here, or casts of this very backward (a region's sharded calls share them)
+    if _still_cached(hazards):
+        _clear_autocast_cache()
+        _report.count(owner, "cache_drops")
+    _reset(hazards)
+
+
+def _reset(hazards: _Hazards) -> None:
+    if hazards.by_state:
+        active[0] -= 1
+    hazards.by_state.clear()
+    hazards.sentinel = None
+
+
+def _sentinel_cast(device_types: tuple[str, ...]) -> Any:
+    """A weak reference to a cast of the patch's own one-element parameter-like tensor, made now through
+    autocast's cache (so cached beside the hazard's casts: it lives exactly as long as they are cached), or None
+    where it cannot be made (then the cache is assumed to hold them)."""
+    if _is_inference_mode_enabled() or torch._C._is_torch_function_mode_enabled():
+        return None  # a function mode would see the sentinel's op
+    device_type = next((d for d in device_types if _is_autocast_enabled(d)), None)
+    if device_type is None:
+        return None
+    try:
+        source = _sentinels.get(device_type)
+        if source is None:
+            source = _sentinels[device_type] = torch.ones(1, 1, device=device_type, requires_grad=True)
+        # The op's saved inputs are the cast autocast took from (or put in) its cache; a saved-tensor hook of the
+        # patch's own takes them, so that what watches the region's ops does not see the sentinel's op (a
+        # checkpoint's saved-tensor hooks, selective checkpointing's dispatch mode would count it as the region's).
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(saved.append, _same), _disable_current_modes(), \
+                torch.enable_grad():
+            torch.mm(source, source)
+        return weakref.ref(saved[0])
+    except Exception:  # a backend whose autocast does not cast mm, say: no sentinel
+        return None
+
+
+def _still_cached(hazards: _Hazards) -> bool:
+    """Whether autocast's cache still holds what it held when the first hazard was noted (no sentinel: assume
+    it does). The cache holds the only reference to the sentinel's cast; a region end or a drop frees it."""
+    return hazards.sentinel is None or hazards.sentinel() is not None
+
+
+def tainted() -> bool:
+    """Whether this thread holds a hazard now (for tests)."""
+    return bool(_hazards().by_state)

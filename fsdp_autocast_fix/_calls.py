@@ -1,0 +1,241 @@
+"""What identifies a forward call: every tensor it was given, held weakly.
+
+A call's *leaves* are its tensor arguments in order: positional and keyword, nested in tuples, lists, dicts and
+dataclasses, parameters aside (one parameter is passed to every call, so it tells no call from another), or,
+for a call given only parameters (learned queries), those parameters. A
+recompute gets the very leaves back (``torch.utils.checkpoint``) or ``detach()``es of them (reentrant-style
+checkpoints), which share their memory, version, shape, stride, dtype and device.
+
+Invariant of :class:`CallLog`: a recompute finds a recorded call exactly when its leaves are, one by one, that
+call's leaves or ``detach()``es of them, in the same order; several calls are found only when they got the very
+same leaves, or views of the same memory alike in shape, stride, dtype and device (which a ``detach()`` of
+either cannot tell apart). Leaves that are not plain tensors (DTensor, other subclasses) match only themselves.
+A record is a few scalars and weak references: it goes as soon as any of its leaves is freed, and it costs the
+same whether one call or a thousand are alive (both lookups are one dict access, plus the checks of the records
+that share the key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+#: Tensors whose ``data_ptr`` says where their data is (a parameter's ``detach()`` is a plain tensor).
+_PLAIN = (_Tensor, _Parameter)
+
+
+class _KeyedRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a recorded leaf that knows its record's key."""
+
+    __slots__ = ("key",)
+    key: Any
+
+
+def _ref(t: torch.Tensor, key: Any, callback: Any) -> _KeyedRef:
+    ref = _KeyedRef(t, callback)
+    ref.key = key
+    return ref
+
+
+def leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a call was given, in order, parameters aside; for a call given only parameters (learned
+    queries), those parameters (see the module docstring)."""
+    if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:  # the common case, spelled out
+        return [args[0]]
+    found: list[torch.Tensor] = []
+    parameters: list[torch.Tensor] = []
+    _collect(args, found, parameters)
+    _collect(kwargs, found, parameters)
+    return found or parameters
+
+
+def _collect(value: Any, found: list[torch.Tensor], parameters: list[torch.Tensor]) -> None:
+    if isinstance(value, _Tensor):
+        (parameters if isinstance(value, _Parameter) else found).append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _collect(item, found, parameters)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect(item, found, parameters)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            _collect(getattr(value, field.name), found, parameters)
+
+
+def _key(tensors: list[torch.Tensor]) -> Any:
+    """The exact key: the leaves' identities."""
+    return id(tensors[0]) if len(tensors) == 1 else tuple(map(id, tensors))
+
+
+def _memory(tensors: list[torch.Tensor]) -> Any:
+    """The detach key: where each leaf's data starts (equal for a tensor and its ``detach()``), or None if a leaf
+    is not a plain tensor with data of its own (a tensor subclass such as DTensor, whose ``data_ptr`` tells
+    nothing; an empty tensor): such a call only the very tensors match."""
+    for t in tensors:
+        if type(t) not in _PLAIN or not t.numel():
+            return None
+    try:
+        if len(tensors) == 1:
+            return tensors[0].data_ptr()
+        return tuple(t.data_ptr() for t in tensors)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` is ``a`` or a ``detach()`` of it: plain tensors viewing one memory alike (data start, shape,
+    stride, dtype, device). A view of ``a`` alike in all these (``a[:]``) cannot be told from a ``detach()``."""
+    return a is b or (type(a) in _PLAIN and type(b) in _PLAIN and a.data_ptr() == b.data_ptr()
+                      and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+                      and a.device == b.device)
+
+
+class _Record:
+    """One call's leaves (weakly, with their versions) and the states it was called in, latest last, each with
+    its stamp (see :meth:`CallLog.record`)."""
+
+    __slots__ = ("key", "refs", "versions", "calls", "memory", "__weakref__")
+
+    def __init__(self, key: Any, refs: tuple[Any, ...], versions: tuple[int, ...], call: Any, stamp: int) -> None:
+        self.key, self.refs, self.versions = key, refs, versions
+        self.calls: tuple[tuple[Any, int], ...] = ((call, stamp),)
+        self.memory: Any = None  # the detach key, once indexed
+
+    def matches(self, tensors: list[torch.Tensor], exact: bool) -> bool:
+        """Whether ``tensors`` are this call's leaves (``exact``) or they and ``detach()``es of them."""
+        if len(tensors) != len(self.refs):
+            return False
+        for ref, version, t in zip(self.refs, self.versions, tensors):
+            recorded = ref()
+            if recorded is None or t._version != version:
+                return False
+            if recorded is not t and (exact or not _same_memory(recorded, t)):
+                return False
+        return True
+
+
+class CallLog:
+    """The recorded forward calls of one sharded module (see the module docstring for the invariant).
+
+    ``unkeyed`` is the latest call with no leaves at all (only parameters, or no tensor): a recompute that finds
+    no record replays it. ``last`` is the latest call's state, for the warning on a recompute that finds none.
+    """
+
+    __slots__ = ("by_key", "by_memory", "unindexed", "unkeyed", "last", "_forget_ref", "__weakref__")
+
+    def __init__(self) -> None:
+        self.by_key: dict[Any, _Record] = {}
+        #: detach key -> {id(record): record}; built lazily, at the first lookup that needs it.
+        self.by_memory: dict[Any, dict[int, _Record]] = {}
+        self.unindexed: dict[int, _Record] = {}
+        self.unkeyed: Any = None
+        self.last: Any = None
+        self_ref = weakref.ref(self)
+
+        def forget(ref: Any, self_ref: Any = self_ref) -> None:  # a recorded leaf was freed
+            log = self_ref()
+            if log is not None:
+                log._forget(ref)
+
+        self._forget_ref = forget
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    # -- the hot path: one record per ordinary call -------------------------------------------------------
+
+    def record(self, tensors: list[torch.Tensor], call: Any, stamp: int) -> None:
+        """Record ``call`` (its state) under ``tensors``; the same leaves again keep each state once, latest last.
+
+        ``stamp``: autograd's sequence number when a call runs without grad (reentrant-style checkpoints run
+        their forward so), else -1; it tells a checkpoint's own call from an eval pass on the same leaves."""
+        self.last = call
+        if not tensors:
+            self.unkeyed = call
+            return
+        key = _key(tensors)
+        seen = self.by_key.get(key)
+        if seen is not None and seen.matches(tensors, exact=True):
+            if seen.calls[-1] != (call, stamp):
+                seen.calls = tuple(c for c in seen.calls if c[0] != call) + ((call, stamp),)
+            if seen.memory is not None:  # index it again: its data may have moved (FSDP re-allocates the unsharded
+                self._unindex(seen)  # parameters a call given only parameters gets)
+                self.unindexed[id(seen)] = seen
+            return
+        if seen is not None:
+            self._drop(seen)
+        forget = self._forget_ref
+        if len(tensors) == 1:
+            x = tensors[0]
+            record = _Record(key, (_ref(x, key, forget),), (x._version,), call, stamp)
+        else:
+            record = _Record(key, tuple([_ref(t, key, forget) for t in tensors]),
+                             tuple([t._version for t in tensors]), call, stamp)
+        self.by_key[key] = record
+        self.unindexed[id(record)] = record
+
+    # -- recompute --------------------------------------------------------------------------------------
+
+    def find(self, tensors: list[torch.Tensor]) -> tuple[tuple[Any, int], ...] | None:
+        """``(state, stamp)`` of each call recorded under the leaves (or ``detach()``es of them) ``tensors``, oldest
+        first, or None."""
+        if not tensors:
+            return None
+        seen = self.by_key.get(_key(tensors))
+        if seen is not None and seen.matches(tensors, exact=True):
+            return seen.calls
+        memory = _memory(tensors)
+        if memory is None:
+            return None
+        self._index()
+        found: tuple[Any, ...] = ()
+        for record in list(self.by_memory.get(memory, {}).values()):
+            if record.matches(tensors, exact=False):
+                found += tuple(c for c in record.calls if c not in found)
+        return found or None
+
+    def _index(self) -> None:
+        """Put the records made since the last detach lookup into the detach index (each record once)."""
+        for record in list(self.unindexed.values()):  # a weak reference's callback may drop one meanwhile
+            alive = [ref() for ref in record.refs]
+            if any(t is None for t in alive):
+                continue
+            record.memory = _memory(alive)  # type: ignore[arg-type]
+            if record.memory is not None:
+                self.by_memory.setdefault(record.memory, {})[id(record)] = record
+        self.unindexed.clear()
+
+    # -- lifetime ---------------------------------------------------------------------------------------
+
+    def _forget(self, ref: _KeyedRef) -> None:
+        record = self.by_key.get(ref.key)
+        if record is not None and any(r is ref for r in record.refs):
+            self._drop(record)
+
+    def _drop(self, record: _Record) -> None:
+        if self.by_key.get(record.key) is record:
+            del self.by_key[record.key]
+        self.unindexed.pop(id(record), None)
+        self._unindex(record)
+
+    def _unindex(self, record: _Record) -> None:
+        if record.memory is not None:
+            bucket = self.by_memory.get(record.memory)
+            if bucket is not None:
+                bucket.pop(id(record), None)
+                if not bucket:
+                    del self.by_memory[record.memory]
+        record.memory = None
+
+    def clear(self) -> None:
+        """Forget every record."""
+        self.by_key.clear()
+        self.by_memory.clear()
+        self.unindexed.clear()
+        self.unkeyed = self.last = None

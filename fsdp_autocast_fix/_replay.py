@@ -1,0 +1,361 @@
+"""What a recompute replays, and how it is undone.
+
+A recompute (FSDP state ``PRE_BACKWARD``, or any forward inside backward, which is how reentrant-style
+checkpoints recompute) of a covered module is replayed by its :class:`Replayer`:
+
+* The outermost covered module of the recompute finds its call in the module's :class:`~._calls.CallLog` and
+  enters that call's autocast state where the current one differs (a checkpoint that restored it sees no change).
+  Modules called inside it re-run as in the forward and need nothing. The next sharded calls of the same region
+  (the same graph task and backward node) follow the region's first call while the region's own code leaves
+  autocast as it was (:class:`Region`).
+* In ``PRE_BACKWARD`` FSDP skips its root input move, and in torch 2.4-2.12 its casts: the replay does what the
+  call's forward did, right after FSDP's pre-hook (:meth:`Replayer.pre_casts`) and, for the output, in FSDP's
+  forward-hook entry (:meth:`Replayer.post_forward`), so user hooks before and after FSDP's see what they saw in
+  the forward.
+
+Invariant: every replay that :meth:`Replayer.start` begins is undone exactly once, by :meth:`Replayer.exit`
+(the module's last forward hook, ``always_call``: also on errors and checkpoint's early stop) or, after an
+interrupt that skipped it, by :meth:`Replayer.drop_stale` at the module's next ordinary call; nothing else
+changes autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _autocast, _cache, _compat, _report
+
+if TYPE_CHECKING:
+    from ._calls import CallLog
+    from ._hooks import Placement
+
+logger = logging.getLogger("fsdp_autocast_fix")
+
+_graph_task_id = torch._C._current_graph_task_id
+_current_node = torch._C._current_autograd_node
+_is_autocast_cache_enabled = torch.is_autocast_cache_enabled
+_any_autocast_enabled = torch._C._is_any_autocast_enabled
+_is_grad_enabled = torch.is_grad_enabled
+_tls = threading.local()
+
+#: The casts FSDP does for a module sharded alone: its inputs and its output, every call.
+ALL_CAST = (True, True)
+
+
+def frames() -> list[Frame]:
+    """This thread's recomputes in flight, outermost first (autograd may recompute on its own threads)."""
+    try:
+        return _tls.frames  # type: ignore[no-any-return]
+    except AttributeError:
+        _tls.frames = []
+        return _tls.frames  # type: ignore[no-any-return]
+
+
+class Frame:
+    """A recompute in flight on this thread: the outermost covered module being recomputed."""
+
+    __slots__ = ("module", "graph_task")
+
+    def __init__(self, module: torch.nn.Module, graph_task: int) -> None:
+        self.module = module
+        self.graph_task = graph_task
+
+
+class Region:
+    """The recompute region whose first sharded call was replayed last on this thread.
+
+    Its later sharded calls (same graph task and backward node; their inputs are computed in the region, so no
+    record names them) follow that call's state, unless the region's code changed autocast itself since. Where
+    the replay entered a state (the checkpoint did not restore the forward's), the region holds it, paused
+    between its calls, so that they share autocast's cached casts as they did in the forward; the hold ends
+    when another region starts on this thread, when the backward ends, or at the next ordinary forward.
+    """
+
+    __slots__ = ("where", "call", "now", "entered", "depth")
+
+    def __init__(self, where: tuple[int, Any], call: Any, now: Any, entered: _autocast.Entered | None,
+                 depth: int) -> None:
+        self.where, self.call, self.now, self.entered = where, call, now, entered
+        #: autocast's nesting count between the region's calls: at its start, plus what the hold keeps
+        self.depth = depth + (len(entered.device_types) if entered is not None else 0)
+
+    def follows(self, here: tuple[int, Any], now: Any) -> bool:
+        """Whether a sharded call at ``here`` under ``now`` is a later call of this region whose code left
+        autocast alone: same backward node, same state, and no autocast context of the region's own open."""
+        return self.where == here and self.now == now and _autocast.nesting() == self.depth
+
+    @staticmethod
+    def here() -> tuple[int, Any]:
+        node = _current_node()  # the backward node whose execution runs this recompute
+        return _graph_task_id(), node._sequence_nr() if node is not None else None
+
+    @staticmethod
+    def current() -> Region | None:
+        return getattr(_tls, "region", None)
+
+    def start(self) -> None:
+        """Make this the thread's current region (ending the hold of the one before)."""
+        release_region()
+        _tls.region = self
+        if self.entered is not None:
+            held[0] += 1
+            if self.where[0] != -1:
+                _compat.load().queue_backward_callback(functools.partial(_end_of_backward, self))
+
+
+@contextlib.contextmanager
+def restored() -> Iterator[None]:
+    """A block whose autocast state is the forward's, restored by the checkpoint (``preserve_autocast``'s)."""
+    _tls.restored = getattr(_tls, "restored", 0) + 1
+    try:
+        yield
+    finally:
+        _tls.restored -= 1
+
+
+#: How many regions hold an entered state, on any thread (ordinary forwards check it: one list read).
+held = [0]
+
+
+def release_region(restore: bool = False) -> None:
+    """End this thread's current region, and its hold if it has one (``restore``: put the state from before the
+    hold back, if the hold is active; else the state is left as it is: paused, the region's exit put it back, and
+    after an interrupt the autograd engine did)."""
+    region = Region.current()
+    if region is None:
+        return
+    _tls.region = None
+    if region.entered is not None:
+        held[0] -= 1
+        region.entered.release(restore)
+
+
+def _end_of_backward(region: Region) -> None:
+    entered = region.entered
+    if Region.current() is region and entered is not None and entered.thread == threading.get_ident():
+        release_region()
+
+
+class Replay:
+    """One recompute of a module: what FSDP's forward did that this torch skips, and what to undo after."""
+
+    __slots__ = ("frame", "entered", "thread", "moved", "cast_in", "cast_out", "pre_pending")
+
+    def __init__(self, frame: Frame | None, entered: _autocast.Entered | None, moved: bool, cast_in: bool,
+                 cast_out: bool) -> None:
+        self.frame, self.entered, self.thread = frame, entered, threading.get_ident()
+        self.moved, self.cast_in, self.cast_out = moved, cast_in, cast_out
+        self.pre_pending = moved or cast_in  # done right after FSDP's pre-hook, by the entry
+
+
+class Replayer:
+    """The replays of one covered module (see the module docstring for the invariant)."""
+
+    __slots__ = ("cover", "key", "log", "placement", "grouped", "name", "replays", "warned", "__weakref__")
+
+    def __init__(self, cover: Any, log: CallLog, placement: Placement, grouped: bool, name: str) -> None:
+        self.cover, self.log, self.placement, self.grouped = cover, log, placement, grouped
+        self.key = id(cover)  # the cast-cache hazards are kept per FSDP state
+        self.name = name  # the module's class, as the report names it
+        self.replays: list[Replay] = []
+        self.warned = False
+
+    def _casts_of(self, module: torch.nn.Module) -> tuple[bool, bool]:
+        """FSDP's casts for a recompute of ``module`` that no record names: every call's for a module sharded
+        alone; for a module of ``fully_shard([a, b])``, those of its latest ordinary call (they depend on its place
+        in the group's pass, which a recompute, run in reverse order, cannot read off FSDP's state)."""
+        if not self.grouped:
+            return ALL_CAST
+        last = self.log.last
+        return last[2:] if last is not None else _compat.group_casts(self.cover.state, module)
+
+    # -- start ------------------------------------------------------------------------------------------
+
+    def start(self, module: torch.nn.Module, tensors: list[torch.Tensor]) -> None:
+        """A recompute of ``module`` begins (its inputs' leaves ``tensors``): enter its call's state, if needed."""
+        cover = self.cover
+        state = cover.state
+        graph_task = _graph_task_id()
+        stack_of_frames = frames()
+        if stack_of_frames and stack_of_frames[0].graph_task != graph_task:  # left by an earlier backward
+            stack_of_frames.clear()
+        frame = entered = None
+        if not stack_of_frames:  # the outermost covered module of this recompute: the call it replays
+            chosen, entered = self._choose(module, tensors, _autocast.capture(cover.device_types))
+            _report.count(self.name, "recomputes")
+            if entered is not None:
+                _report.count(self.name, "autocast_changed")
+            frame = Frame(module, graph_task)
+            stack_of_frames.append(frame)
+        else:
+            chosen = None  # inside a replayed module: it re-runs as in the forward
+        if _any_autocast_enabled() and _is_autocast_cache_enabled():
+            if not _is_grad_enabled():  # a forward inside the recompute (a nested checkpoint's)
+                _cache.note(self.key, -1, cover.device_types)
+            else:
+                if _cache.active[0]:
+                    _cache.check(self.key, graph_task, self.name)
+                _cache.note(self.key, graph_task, cover.device_types)
+        if chosen is None:
+            chosen = (None, False) + self._casts_of(module)
+        _, moved, cast_in, cast_out = chosen
+        if state._training_state is cover.pre_backward:  # FSDP skips its forward's root move, and on 2.4-2.12
+            casts = cover.casts()  # its casts: do them in its place
+            cast_in, cast_out = cast_in and casts, cast_out and casts
+        else:
+            moved = cast_in = cast_out = False
+        if frame is None and not (moved or cast_in or cast_out):
+            return
+        self.replays.append(Replay(frame, entered, moved, cast_in, cast_out))
+        if cast_out:
+            self.placement.swap_post(True)
+        self.placement.register_exit(module)
+
+    def _choose(self, module: torch.nn.Module, tensors: list[torch.Tensor],
+                now: Any) -> tuple[Any, _autocast.Entered | None]:
+        """The recorded call to replay (or None: leave the state as the checkpoint set it), and the entered state
+        this call runs under (its region's), if the call's state is not the current one.
+
+        Under ``torch.utils.checkpoint`` (either mode; also ``checkpoint_wrapper``, the composable checkpoint and
+        selective checkpointing) and inside :func:`fsdp_autocast_fix.preserve_autocast` the state is never
+        changed: they restore the forward's autocast state at the region's start, and the region's code sets the
+        rest as in the forward."""
+        here = Region.here()
+        region = Region.current()
+        calls = self.log.find(tensors)
+        if calls is None and region is not None and region.follows(here, now):
+            if region.entered is not None:
+                region.entered.resume()
+            return region.call[:1] + (False,) + self._casts_of(module), region.entered
+        release_region()
+        if calls is not None:
+            chosen = self._pick(module, calls, now)
+        elif not tensors and self.log.unkeyed is not None:  # only parameters as tensors: the latest such call
+            chosen = self.log.unkeyed
+        else:
+            last = self.log.last
+            if last is not None and last[0] != now and not _compat.in_torch_checkpoint():
+                _report.unidentified(self.name, "no recorded call got its tensor arguments (computed in the "
+                                                "region, or copied by the checkpoint)")
+                if not self.warned:
+                    self.warned = True
+                    logger.warning(
+                        "%s: cannot tell which forward call this recompute replays (its tensor arguments are not "
+                        "the ones a recorded call received); leaving autocast as the checkpoint set it. If the "
+                        "checkpoint does not restore autocast, wrap it with fsdp_autocast_fix.preserve_autocast",
+                        type(module).__name__)
+            return None, None
+        if chosen[0] != now and (getattr(_tls, "restored", 0) or _compat.in_torch_checkpoint()):
+            chosen = (now,) + chosen[1:]
+        depth = _autocast.nesting()
+        entered = _autocast.Entered(chosen[0], self.cover.device_types) if chosen[0] != now else None
+        Region(here, chosen, now, entered, depth).start()
+        return chosen, entered
+
+    def _pick(self, module: torch.nn.Module, calls: tuple[tuple[Any, int], ...], now: Any) -> Any:
+        """The call a recompute replays among those recorded under its leaves (``(state, stamp)``, oldest first)."""
+        if len(calls) == 1:
+            return calls[0][0]
+        # The same leaves under several states (an eval pass on the training batch, say). A reentrant-style
+        # checkpoint recomputes in the backward of its own autograd node, made right before its forward ran the
+        # call under no_grad: the call stamped first after that node is its own (an eval run later is stamped
+        # after the ops in between, one run earlier before the node). That holds where every call is stamped
+        # (ran under no_grad); else the most recent, with one warning.
+        node = _current_node()
+        if node is not None and all(stamp != -1 for _, stamp in calls):
+            made = node._sequence_nr()
+            after = [(stamp, call) for call, stamp in calls if stamp > made]
+            if after:
+                return min(after, key=lambda pair: pair[0])[1]
+        if not self.warned:
+            self.warned = True
+            logger.warning(
+                "%s ran forward on the same input under %d autocast states before this recompute; replaying the "
+                "most recent. Wrap the checkpoint with fsdp_autocast_fix.preserve_autocast to make it exact",
+                type(module).__name__, len(calls))
+        return calls[-1][0]
+
+    # -- FSDP's casts, in FSDP's place --------------------------------------------------------------------
+
+    def pre_casts(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> Any:
+        """Right after FSDP's pre-hook in a replay: the root move and input cast its forward did."""
+        replay = self.replays[-1]
+        replay.pre_pending = False
+        if result is not None:
+            args, kwargs = result
+        state = self.cover.state
+        if replay.moved:  # no torch release replays this
+            args_tuple, kwargs_tuple = _compat.load().to_kwargs(args, kwargs, state._device, False)
+            args, kwargs = args_tuple[0], kwargs_tuple[0]
+            _report.count(self.name, "root_moves")
+        policy = state._mp_policy
+        if replay.cast_in and policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = _cast(policy.param_dtype, args), _cast(policy.param_dtype, kwargs)
+            _report.count(self.name, "input_casts")
+        return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, input: Any, output: Any) -> Any:
+        """In the place of FSDP's forward hook during a replay: FSDP's hook, then the output cast it did."""
+        output = self.placement.fsdp_post(module, input, output)
+        dtype = self.cover.state._mp_policy.output_dtype
+        if dtype is None:
+            return output
+        _report.count(self.name, "output_casts")
+        return _cast(dtype, output)
+
+    # -- undo -------------------------------------------------------------------------------------------
+
+    def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Last forward hook while a replay is in flight: undo what :meth:`start` changed, also on errors."""
+        if not self.replays:  # a stale registration after an exception: drop it now
+            self.placement.unregister_exit(self.replays)
+            return
+        replay = self.replays.pop()
+        try:
+            self._undo(replay)
+        finally:
+            if replay.entered is not None:
+                replay.entered.pause()
+            if not self.replays:
+                self.placement.unregister_exit(self.replays)
+
+    def _undo(self, replay: Replay) -> None:
+        if replay.cast_out and not any(r.cast_out for r in self.replays):
+            self.placement.swap_post(False)
+        if replay.frame is not None:
+            stack_of_frames = frames()
+            if replay.frame in stack_of_frames:
+                stack_of_frames.remove(replay.frame)
+
+    def drop_stale(self) -> None:
+        """Forget the replays an interrupt left behind (``KeyboardInterrupt`` skips ``always_call`` hooks).
+
+        The autograd engine put the autocast state (enabled, dtype) back when the interrupted backward unwound;
+        what it does not restore (autocast's nesting count, and outside any region the cache flag) is repaired by
+        releasing the region's hold without restoring the state (:meth:`~._autocast.Entered.release`)."""
+        while self.replays:
+            replay = self.replays.pop()
+            self._undo(replay)
+            region = Region.current()
+            if replay.entered is not None and region is not None and region.entered is replay.entered:
+                release_region()  # on this thread; a worker thread's counters are its own
+        self.placement.drop_exit()
+
+    def close(self) -> None:
+        """Leave every replay in flight (the patch is being removed), and its region's hold on this thread."""
+        region = Region.current()
+        if region is not None and any(r.entered is region.entered for r in self.replays if r.entered is not None):
+            release_region(restore=True)
+        self.replays.clear()
+
+
+def _cast(dtype: torch.dtype, tree: Any) -> Any:
+    internals = _compat.load()
+    return internals.apply_to_tensors(functools.partial(internals.cast_fp_tensor, dtype), tree)
