@@ -1,4 +1,4 @@
-"""Test sessions, one per torch release; run ``python3 -m nox`` (see README).
+"""Test sessions, one per torch release; run ``python3 -m nox`` (see README and docs/testing.md).
 
 Environments are made with uv and reused between runs. torch comes from PyPI, or from a folder of
 local wheels named in uv's own ``UV_FIND_LINKS`` (a CPU build, say), which uv reads from the environment.
@@ -14,16 +14,20 @@ nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests", "transformers", "deepspeed", "dist"]
 
-#: Run by ``python3 -m nox`` (the README's test command and CI): oldest and newest buggy, one fixed.
-CI = ["2.7.1", "2.12.1", "2.13.0"]
+#: Run by ``python3 -m nox`` (the README's test command and CI): the seed report's torch (FSDP2 on CPU through the
+#: suite's stand-ins, tests/cpu_standins.py), the oldest and newest buggy that run FSDP2 on CPU, one fixed.
+CI = ["2.5.1", "2.7.1", "2.12.1", "2.13.0"]
 #: DeepSpeed's two checkpoints (reentrant ``checkpoint``, ``non_reentrant_checkpoint``), without its compiled ops.
 DEEPSPEED = "0.19.8"
-#: FSDP2 runs on CPU from 2.7: the whole suite.
-CPU_MATRIX = ["2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
-#: FSDP2 needs CUDA on these: only the checks that need no forward (tests/test_structural.py).
-STRUCTURAL = ["2.4.1", "2.5.1", "2.6.0"]
+#: The whole suite on each; FSDP2 runs on CPU from 2.7, and on 2.4-2.6 through the suite's stand-ins.
+CPU_MATRIX = ["2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1",
+              "2.15.0"]
 #: Run only by the transformers sessions (they need transformers and accelerate); the others ignore them.
 TRANSFORMERS_TESTS = ["tests/test_transformers.py", "tests/test_autoapply_transformers.py"]
+
+
+#: Where the generators write: the pages of docs/ (README keeps only the headline cost).
+TESTING_PAGE, BENCHMARKS_PAGE = "docs/testing.md", "docs/benchmarks.md"
 
 
 def _install_torch(session: nox.Session, version: str) -> None:
@@ -69,22 +73,23 @@ def deepspeed(session: nox.Session, torch: str) -> None:
 @nox.session(python="3.11")
 @nox.parametrize("torch", CI, ids=CI)
 def grid(session: nox.Session, torch: str) -> None:
-    """The whole generated scenario space (tests/grid.py) on one torch: hours on a small machine.
+    """A seeded sample of the generated scenario space (tests/grid.py) on one torch: 1,500 cells by default.
 
-    ``python3 -m nox -s "grid(2.12.1)" -- --sample 2000`` runs a seeded sample instead. Writes
-    ``grid/torch-<version>.json``; ``python3 -m nox -s grid-report`` puts the counts into README.
+    ``python3 -m nox -s "grid(2.12.1)" -- --sample 3000 --seed 1`` runs another (the whole product, millions
+    of cells, is ``-- --all``). Writes
+    ``grid/torch-<version>.json``; ``python3 -m nox -s grid-report`` puts the counts into docs/testing.md.
     """
     _install_torch(session, torch)
     session.install("-e", ".[test]")
     os.makedirs("grid", exist_ok=True)
-    what = list(session.posargs) or ["--all"]
-    session.run("python", "tests/grid_report.py", *what, "--json", f"grid/torch-{torch}.json")
+    what = list(session.posargs) or ["--sample", "1500"]
+    session.run("python", "tests/grid_report.py", *what, "--json", f"grid/torch-{torch}.json", env=STANDINS_ENV)
 
 
 @nox.session(python="3.11", name="grid-report")
 def grid_report(session: nox.Session) -> None:
-    """README's scenario-space tables, from ``grid/torch-*.json`` (tests/grid.py, read for its dimensions,
-    imports torch)."""
+    """The scenario-space tables of docs/testing.md, from ``grid/torch-*.json`` (tests/grid.py, read for its
+    dimensions, imports torch)."""
     import glob
     import re
 
@@ -95,9 +100,9 @@ def grid_report(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     tables = session.run("python", "-W", "ignore", "tests/grid_report.py", "--markdown", *paths, silent=True)
     block = f"<!-- grid:start -->\n{tables.strip()}\n<!-- grid:end -->"
-    readme = open("README.md").read()
-    readme = re.sub(r"<!-- grid:start -->.*?<!-- grid:end -->", lambda _: block, readme, flags=re.S)
-    open("README.md", "w").write(readme)
+    page = open(TESTING_PAGE).read()
+    page = re.sub(r"<!-- grid:start -->.*?<!-- grid:end -->", lambda _: block, page, flags=re.S)
+    open(TESTING_PAGE, "w").write(page)
     print(block)
 
 
@@ -109,7 +114,8 @@ DIST_TESTS = ["tests/test_hygiene.py", "tests/test_examples.py", "tests/test_aut
 
 @nox.session(python="3.11")
 def dist(session: nox.Session) -> None:
-    """Build the sdist and the wheel and check them; then run part of the suite from the unpacked sdist.
+    """Build the sdist and the wheel and check them; then run part of the suite from the unpacked sdist, and
+    leave both in ``dist/`` (README's install line).
 
     Fails on a build warning of deprecated configuration, on what ``tests/check_dist.py`` finds in the
     artefacts' contents and metadata, and on ``twine check --strict``. The suite runs against the installed
@@ -137,39 +143,39 @@ def dist(session: nox.Session) -> None:
         # -P: no current folder on the path, as under pytest's script: the wheel is what gets imported.
         session.run("python", "-P", "-c", "import fsdp_autocast_fix as f; assert 'site-packages' in f.__file__")
         session.run("pytest", "-q", *DIST_TESTS)
+    os.makedirs("dist", exist_ok=True)  # what README's install line takes
+    for artefact in (sdist, wheel):
+        shutil.copy2(artefact, "dist")
+
+
+#: For scripts run outside pytest: the suite's CPU stand-ins where this torch needs them (tests/standins_site).
+STANDINS_ENV = {"FSDP_AUTOCAST_FIX_TEST_CPU_STANDINS": "1", "PYTHONPATH": "tests/standins_site"}
 
 
 @nox.session(python="3.11", name="matrix-run")
-@nox.parametrize("torch", STRUCTURAL + CPU_MATRIX, ids=STRUCTURAL + CPU_MATRIX)
+@nox.parametrize("torch", CPU_MATRIX, ids=CPU_MATRIX)
 def matrix_run(session: nox.Session, torch: str) -> None:
     """One torch of the version matrix: the suite with a JUnit report, plus the measured scenario table."""
     _install_torch(session, torch)
     session.install("-e", ".[test]")
     os.makedirs(".matrix", exist_ok=True)
-    paths = ["tests/test_structural.py"] if torch in STRUCTURAL else []
     session.run("python", "-m", "pytest", "-q", f"--junitxml=.matrix/torch-{torch}.xml",
-                *(f"--ignore={path}" for path in TRANSFORMERS_TESTS), *paths,
-                success_codes=[0, 1])
-    if torch in STRUCTURAL:
-        session.run("python", "-c", "import json, torch, fsdp_autocast_fix as f; s = f.status(); "
-                    f"json.dump({{'torch': s.torch_version, 'needs_cast_replay': s.needs_cast_replay}}, "
-                    f"open('.matrix/torch-{torch}.meta.json', 'w'))")
-    else:
-        session.run("python", "tests/scenarios.py", "--json", f".matrix/torch-{torch}.json")
+                *(f"--ignore={path}" for path in TRANSFORMERS_TESTS), success_codes=[0, 1])
+    session.run("python", "tests/scenarios.py", "--json", f".matrix/torch-{torch}.json", env=STANDINS_ENV)
 
 
 @nox.session(python=False)
 def matrix(session: nox.Session) -> None:
-    """The whole version matrix, then ``matrix/results.json`` and README's table from it."""
+    """The whole version matrix, then ``matrix/results.json`` and the tables of docs/versions.md from it."""
     session.run("rm", "-rf", ".matrix", external=True)
-    for torch in STRUCTURAL + CPU_MATRIX:
+    for torch in CPU_MATRIX:
         session.notify(f"matrix-run({torch})")
     session.notify("matrix-report")
 
 
 @nox.session(python=False, name="matrix-report")
 def matrix_report(session: nox.Session) -> None:
-    """Fold ``.matrix/`` into ``matrix/results.json`` and README's table (fails if any run failed)."""
+    """Fold ``.matrix/`` into ``matrix/results.json`` and docs' tables (fails if any run failed)."""
     session.run("python3", "tests/matrix_report.py")
 
 
@@ -192,10 +198,11 @@ def table(session: nox.Session, torch: str) -> None:
 
 @nox.session(python=False)
 def bench(session: nox.Session) -> None:
-    """All benchmarks on this machine; writes benchmarks/results/ and README's benchmark section.
+    """All benchmarks on this machine; writes benchmarks/results/, docs/benchmarks.md and README's headline.
 
     The headline is the in-process A/B step (patched against stock on the same torch build, model and ranks)
-    on torch 2.12.1 and 2.13.0; then the hook overhead, the value check and the per-variant step table.
+    on torch 2.12.1 and 2.13.0; then the hook overhead, the cost growth, the value check and the per-variant
+    step table.
     Uses the environments of ``tests(2.12.1)`` and ``tests(2.13.0)``.
     """
     import datetime
@@ -218,6 +225,9 @@ def bench(session: nox.Session) -> None:
         ("Hook overhead, torch 2.12.1 (`benchmarks/hook_overhead.py`)",
          run(buggy, "hook_overhead.py", "--json", f"{out}/hook_overhead-2.12.1.json")),
         ("Hook overhead, torch 2.13.0", run(fixed, "hook_overhead.py", "--json", f"{out}/hook_overhead-2.13.0.json")),
+        ("Cost growth, torch 2.12.1: layers, micro-batches in flight, eval inputs alive (`benchmarks/scaling.py`)",
+         run(buggy, "scaling.py", "--json", f"{out}/scaling-2.12.1.json")),
+        ("Cost growth, torch 2.13.0", run(fixed, "scaling.py", "--json", f"{out}/scaling-2.13.0.json")),
         ("Value-level recompute check, torch 2.12.1 (`benchmarks/value_check.py`)",
          run(buggy, "value_check.py", "--json", f"{out}/value_check-2.12.1.json")),
         ("Training step, torch 2.12.1 (`benchmarks/step.py`)",
@@ -233,15 +243,14 @@ def bench(session: nox.Session) -> None:
               f"batch 2; the A/B: 180 rounds of one step per variant after 3 warm-up rounds; `step.py`: {steps} "
               f"steps after 3 warm-up, each variant in its own processes).")
     body = "\n\n".join(f"**{title}**\n\n{text.strip()}" for title, text in tables)
-    body += "\n\n![benchmarks](benchmarks/results/benchmarks.png)"
+    body += "\n\n![benchmarks](../benchmarks/results/benchmarks.png)"
     block = f"<!-- bench:start -->\n{header}\n\n{body}\n<!-- bench:end -->"
     with open(f"{out}/latest.md", "w") as f:
         f.write(block + "\n")
+    page = open(BENCHMARKS_PAGE).read()
+    page = re.sub(r"<!-- bench:start -->.*?<!-- bench:end -->", lambda _: block, page, flags=re.S)
+    open(BENCHMARKS_PAGE, "w").write(page)
     readme = open("README.md").read()
-    if "<!-- bench:start -->" in readme:
-        readme = re.sub(r"<!-- bench:start -->.*?<!-- bench:end -->", lambda _: block, readme, flags=re.S)
-    else:
-        readme = readme.rstrip("\n") + "\n\n" + block + "\n"
     readme = re.sub(r"<!-- headline:start -->.*?<!-- headline:end -->", lambda _: _headline(out), readme, flags=re.S)
     open("README.md", "w").write(readme)
     print(block)
@@ -257,7 +266,8 @@ def _headline(results: str) -> str:
         parts.append(f"torch {torch}: patched / stock {r['patched_over_stock']:.3f}, reentrant workaround / stock "
                      f"{r['reentrant_over_stock']:.3f}")
     return ("<!-- headline:start -->\n**Cost**, training step time measured side by side in one process (same torch "
-            "build, model and ranks; `benchmarks/ab_step.py`, see Benchmarks): " + "; ".join(parts) +
+            "build, model and ranks; `benchmarks/ab_step.py`, see [Benchmarks](docs/benchmarks.md)): " +
+            "; ".join(parts) +
             ".\n<!-- headline:end -->")
 
 

@@ -13,7 +13,10 @@ import os
 import torch
 import torch.distributed as dist
 import transformers
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+try:  # torch 2.6+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:  # torch 2.4-2.5
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_autocast_fix
 

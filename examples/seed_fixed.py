@@ -12,7 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecision
+
+try:  # torch 2.6+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:  # torch 2.4-2.5
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_autocast_fix

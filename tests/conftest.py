@@ -1,4 +1,8 @@
-"""Shared fixtures: a world-size-1 gloo process group on 127.0.0.1, and a clean patch state."""
+"""Shared fixtures: a world-size-1 gloo process group on 127.0.0.1, and a clean patch state.
+
+On torch 2.4-2.6 without CUDA the suite runs FSDP2 on CPU through the test-only stand-ins of
+tests/cpu_standins.py, here and in every interpreter it starts (tests/standins_site).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import cpu_standins  # noqa: E402
+
 import fsdp_autocast_fix  # noqa: E402
+
+if cpu_standins.needed():
+    cpu_standins.install()
+    os.environ[cpu_standins.ENV_VAR] = "1"
+    _site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standins_site")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_site, os.environ.get("PYTHONPATH")) if p)
 
 
 def free_port() -> int:
@@ -44,5 +56,19 @@ def pg() -> Iterator[None]:
 def _clean_patch() -> Iterator[None]:
     fsdp_autocast_fix.remove()
     gc.collect()  # sharded modules from earlier tests live in reference cycles until collected
+    registry = _strong_state_registry()
+    before = set(map(id, registry)) if registry is not None else set()
     yield
     fsdp_autocast_fix.remove()
+    if registry is not None:  # what the test sharded is gone with it, as 2.6+'s weak registry lets it go
+        for module in [m for m in registry if id(m) not in before]:
+            registry.pop(module, None)
+
+
+def _strong_state_registry() -> dict | None:
+    """torch 2.4-2.5's composable-state registry, a plain dict that keeps every sharded module alive (2.6+ holds
+    them weakly); None where it is weak."""
+    from torch.distributed import _composable_state
+
+    mapping = _composable_state._module_state_mapping
+    return mapping if type(mapping) is dict else None

@@ -171,8 +171,12 @@ class Cell:
             return False  # torch: selective checkpointing needs the recompute to run the forward's ops; a region
             # whose forward took a parameter's cast from the cache (cast by an earlier region of the same autocast
             # region) casts it afresh in its recompute ("... not found in storage"), stock or patched
-        if self.topology.startswith("grouped") and not _grouped_supported():
+        if self.topology.startswith("grouped") and not _supported("grouped"):
             return False  # torch 2.4: fully_shard takes one module, no fully_shard([a, b])
+        if self.frontend == "selective" and not _supported("selective"):
+            return False  # torch 2.4: no selective activation checkpointing
+        if self.frontend == "composable" and self.signature == "kwargs" and not _supported("composable_kwargs"):
+            return False  # torch 2.4: the composable checkpoint's recompute drops keyword arguments
         if self.topology == "grouped_each" and self.region in ("twice", "across"):
             return False  # FSDP2: a module of fully_shard([a, b]) run again before the other one is run once
             # breaks the group's pass ("a, a, b, b"), with or without a checkpoint
@@ -290,10 +294,10 @@ if deepspeed_available():
 
 
 @functools.lru_cache(maxsize=None)
-def _grouped_supported() -> bool:
+def _supported(feature: str) -> bool:
     from scenarios import fsdp_supports
 
-    return fsdp_supports("grouped")
+    return fsdp_supports(feature)
 
 
 @functools.lru_cache(maxsize=None)

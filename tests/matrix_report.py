@@ -38,23 +38,15 @@ def _junit(path: pathlib.Path) -> dict[str, int]:
 
 def _row(requested: str) -> dict[str, object]:
     row: dict[str, object] = {"requested": requested, "tests": _junit(RAW / f"torch-{requested}.xml")}
-    scen_path = RAW / f"torch-{requested}.json"
-    if scen_path.exists():
-        data = json.loads(scen_path.read_text())
-        cells = data["scenarios"]
-        controls = sum(
-            (c["stock"] != "bitwise equal") == (c["broken_stock_expected"] == "True") for c in cells.values()
-        )
-        fixed = sum(all(c[m] == "bitwise equal" for m in ("apply", "late_apply", "patched_fully_shard"))
-                    for c in cells.values())
-        row.update(torch=data["torch"], needs_cast_replay=data["needs_cast_replay"], scenarios=cells,
-                   positive_controls_as_expected=f"{controls}/{len(cells)}",
-                   scenarios_fixed=f"{fixed}/{len(cells)}", suite="full")
-    else:
-        meta = json.loads((RAW / f"torch-{requested}.meta.json").read_text())
-        row.update(torch=meta["torch"], needs_cast_replay=meta["needs_cast_replay"],
-                   positive_controls_as_expected="n/a (no FSDP2 on CPU)", scenarios_fixed="n/a",
-                   suite="structural")
+    data = json.loads((RAW / f"torch-{requested}.json").read_text())
+    cells = data["scenarios"]
+    controls = sum((c["stock"] != "bitwise equal") == (c["broken_stock_expected"] == "True") for c in cells.values())
+    fixed = sum(all(c[m] == "bitwise equal" for m in ("apply", "late_apply", "patched_fully_shard"))
+                for c in cells.values())
+    base = tuple(int(p) for p in re.findall(r"\d+", requested)[:2])
+    row.update(torch=data["torch"], needs_cast_replay=data["needs_cast_replay"], scenarios=cells,
+               positive_controls_as_expected=f"{controls}/{len(cells)}", scenarios_fixed=f"{fixed}/{len(cells)}",
+               suite="full, CPU stand-ins" if base < (2, 7) else "full")
     return row
 
 
@@ -82,23 +74,30 @@ def _scenario_table(rows: list[dict[str, object]]) -> str:
 def main() -> int:
     """Write the results file and the docs' tables; exit non-zero if any run had failures."""
     versions = sorted({p.name[len("torch-"):-len(".xml")] for p in RAW.glob("torch-*.xml")}, key=_version_key)
-    rows = [_row(v) for v in versions]
     today = datetime.date.today().isoformat()
+    rows = {v: {**_row(v), "measured": today} for v in versions}
+    if RESULTS.exists():  # releases not run this time keep their last results, with their date
+        old = json.loads(RESULTS.read_text())
+        for r in old["runs"]:
+            rows.setdefault(r["requested"], {**r, "measured": r.get("measured", old["date"])})
+    rows = dict(sorted(rows.items(), key=lambda item: _version_key(item[0])))
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"date": today, "command": COMMAND, "runs": rows}, indent=1) + "\n")
-    lines = [START, f"Measured {today} with `{COMMAND}` (CPU, gloo; generated from `matrix/results.json`):", "",
-             "| torch | needs cast replay | positive controls as expected | scenarios fixed (3 ways, bitwise) "
-             "| tests passed | failed | skipped | suite |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    RESULTS.write_text(json.dumps({"date": today, "command": COMMAND, "runs": list(rows.values())}, indent=1) + "\n")
+    lines = [START, f"Generated {today} from `matrix/results.json` (`{COMMAND}`, or `matrix-run(<torch>)` for "
+             "some releases, then `matrix-report`; CPU, gloo):", "",
+             "| torch | measured | needs cast replay | positive controls as expected | scenarios fixed (3 ways, "
+             "bitwise) | tests passed | failed | skipped | suite |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows.values():
         t = r["tests"]
-        lines.append(f"| {r['torch']} | {r['needs_cast_replay']} | {r['positive_controls_as_expected']} | "
-                     f"{r['scenarios_fixed']} | {t['passed']}/{t['tests']} | {t['failures'] + t['errors']} | "
-                     f"{t['skipped']} | {r['suite']} |")
+        lines.append(f"| {r['torch']} | {r['measured']} | {r['needs_cast_replay']} | "
+                     f"{r['positive_controls_as_expected']} | {r['scenarios_fixed']} | {t['passed']}/{t['tests']} | "
+                     f"{t['failures'] + t['errors']} | {t['skipped']} | {r['suite']} |")
     lines.append(END)
     VERSIONS_PAGE.write_text(_replace(VERSIONS_PAGE.read_text(), START, END, "\n".join(lines)))
-    TESTING_PAGE.write_text(_replace(TESTING_PAGE.read_text(), SCEN_START, SCEN_END, _scenario_table(rows)))
+    TESTING_PAGE.write_text(_replace(TESTING_PAGE.read_text(), SCEN_START, SCEN_END,
+                                     _scenario_table(list(rows.values()))))
     block = "\n".join(lines)
-    bad = [r["torch"] for r in rows if r["tests"]["failures"] or r["tests"]["errors"]]
+    bad = [r["torch"] for r in rows.values() if r["tests"]["failures"] or r["tests"]["errors"]]
     print(block)
     if bad:
         print(f"failures on: {bad}", file=sys.stderr)

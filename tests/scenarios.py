@@ -90,12 +90,19 @@ class Scenario:
 
 
 def fsdp_supports(feature: str) -> bool:
-    """Whether this torch's ``fully_shard`` has ``feature``: ``grouped`` (a list of modules, torch 2.5+) or one
-    of its keyword arguments (``ignored_params``: 2.7+)."""
+    """Whether this torch has ``feature``: ``grouped`` (``fully_shard`` of a list of modules, 2.5+), one of
+    ``fully_shard``'s keyword arguments (``ignored_params``: 2.7+), ``selective`` (selective activation
+    checkpointing, 2.5+) or ``composable_kwargs`` (the composable checkpoint replays keyword arguments, 2.5+)."""
     import inspect
 
     from fsdp_autocast_fix import _compat as compat
 
+    if feature == "selective":  # selective activation checkpointing: torch 2.5+
+        return hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts")
+    if feature == "composable_kwargs":  # the composable checkpoint replays keyword arguments: torch 2.5+
+        from torch.distributed._composable import checkpoint_activation
+
+        return "with_kwargs=True" in inspect.getsource(checkpoint_activation)
     fully_shard = compat.fsdp_package().fully_shard
     parameters = inspect.signature(fully_shard).parameters
     if feature == "grouped":
@@ -447,7 +454,8 @@ FRONT_ENDS = {
                  _no_checkpoint_seed_step, broken_on_buggy_torch=False, reference_of="seed"),
         Scenario("composable_checkpoint", GeluLinear, _composable_then_shard, _no_checkpoint_seed_step,
                  broken_on_buggy_torch=False, reference_of="seed"),
-        Scenario("selective_activation_checkpoint", GeluLinear, _shard_root(SEED_POLICY), _selective_step),
+        Scenario("selective_activation_checkpoint", GeluLinear, _shard_root(SEED_POLICY), _selective_step,
+                 requires=("selective",)),
     ]
 }
 ALL = {name: s for name, s in {**SCENARIOS, **TOPOLOGIES, **FRONT_ENDS}.items()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import cpu_standins
 import pytest
 import scenarios as S
 import torch
@@ -51,6 +52,10 @@ def _run(patched: bool, use_checkpoint: bool, steps: int = 3) -> tuple[Any, int]
     return grads, sum(counters["graph_break"].values())
 
 
+def _compile_failure(result: Any) -> bool:
+    return isinstance(result, torch._dynamo.exc.BackendCompilerFailed)
+
+
 def _same(a: Any, b: Any) -> bool:
     return isinstance(a, list) and len(a) == len(b) and all(
         S.Result(grads=x).same_as(S.Result(grads=y)) for x, y in zip(a, b))
@@ -70,10 +75,15 @@ def test_compiled_parity_and_no_added_graph_break(skip_fsdp_hooks: bool | None) 
 
 def _check_parity_and_graph_breaks() -> None:
     reference, reference_breaks = _run(patched=False, use_checkpoint=False)
+    if not isinstance(reference, list) and torch.__version__.startswith("2.4.") and cpu_standins.needed():
+        pytest.skip(f"torch 2.4 on CPU (the suite's stand-ins) does not compile a sharded module even stock without "
+                    f"checkpointing: {type(reference).__name__}")
     assert isinstance(reference, list), reference
     stock, stock_breaks = _run(patched=False, use_checkpoint=True)
     patched, patched_breaks = _run(patched=True, use_checkpoint=True)
     torch._dynamo.reset()  # let the compiled modules go
+    if torch.__version__.startswith("2.4.") and all(_compile_failure(r) for r in (stock, patched)):
+        pytest.skip(f"torch 2.4 does not compile a checkpointed sharded module, stock or patched: {stock}")
     assert _same(patched, reference), patched
     assert patched_breaks == reference_breaks
     if _compat.load().needs_cast_replay:

@@ -83,6 +83,7 @@ def test_positive_controls_in_the_sample() -> None:
     for cell in SAMPLE:
         broken[cell.frontend] += _stock(cell) != "bitwise"
     expected = ALWAYS_BROKEN_SOMEWHERE + (BROKEN_WHERE_CASTS_SKIPPED if _compat.load().needs_cast_replay else ())
+    expected = tuple(f for f in expected if any(c.frontend == f for c in SAMPLE))  # front ends this torch has
     missing = [f for f in expected if not broken[f]]
     assert not missing, f"no sampled cell breaks stock through {missing}: {dict(broken)}"
     assert sum(broken.values()) >= len(SAMPLE) // 10, dict(broken)

@@ -26,7 +26,10 @@ exec(sys.argv[2])
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+try:  # torch 2.6+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+except ImportError:  # torch 2.4-2.5
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 DIM = 16
