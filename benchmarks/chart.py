@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps.append((f"({r['variant']}) {r['torch'].split('+')[0]}", r["step_ms_median"],
                               r["peak_rss_increase_mib"]))
     hooks = [r for r in json.loads((RESULTS / "hook_overhead-2.12.1.json").read_text()) if "grad" in r]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     labels = [s[0] for s in steps]
     axes[0].bar(labels, [s[1] for s in steps], color="tab:blue")
     axes[0].set_title("training step, median ms (2 ranks, CPU)")
@@ -45,10 +45,29 @@ def main(argv: list[str] | None = None) -> int:
     axes[2].set_xticks(list(xs), [f"autocast {h['autocast']}\ngrad {h['grad']}" for h in hooks])
     axes[2].set_title("sharded module call, median us (torch 2.12.1)")
     axes[2].legend()
+    _scaling(axes[3])
     fig.tight_layout()
     fig.savefig(args.out, dpi=100)
     print(f"wrote {args.out}")
     return 0
+
+
+def _scaling(ax: object) -> None:
+    """patched / stock against micro-batches in flight (8 layers), one line per torch and checkpoint."""
+    for name in ("scaling-2.12.1.json", "scaling-2.13.0.json"):
+        path = RESULTS / name
+        if not path.exists():
+            continue
+        rows = json.loads(path.read_text())
+        for kind in ("torch", "function"):
+            line = sorted((r["micro_batches"], r["ratio"]) for r in rows
+                          if r["checkpoint"] == kind and r["layers"] == 8 and r["evals_alive"] == 0)
+            ax.plot([k for k, _ in line], [v for _, v in line], marker="o",  # type: ignore[attr-defined]
+                    label=f"{rows[0]['torch'].split('+')[0]}, {kind} checkpoint")
+    ax.set_xscale("log", base=2)  # type: ignore[attr-defined]
+    ax.set_xlabel("micro-batches in flight (8 layers)")  # type: ignore[attr-defined]
+    ax.set_title("patched / stock step time")  # type: ignore[attr-defined]
+    ax.legend(fontsize=7)  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

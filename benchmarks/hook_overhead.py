@@ -7,14 +7,14 @@ stock block beside it), which cancels the machine's drift. Every call gets a fre
 as a training step's activations are, so a patched call makes its record and frees it. Without and with
 autocast (bf16), grad disabled and enabled. FSDP2's own hook time is the stock call minus the same module
 unsharded. The patch's own work (the record of an ordinary call; the start and end of a replayed recompute,
-with the state set to ``PRE_BACKWARD`` and autocast to replay) is also timed on its methods directly, and so
+inside a backward pass with the state set to ``PRE_BACKWARD``) is also timed on its methods directly, and so
 is the ``torch._dynamo.disable`` wrapper its hook has, as FSDP's has (torch.compile must not trace either).
 
 JSON keys: ``torch``, ``grad`` (``off``/``on``), ``autocast`` (``off``/``bf16``), ``unsharded_ns``,
 ``stock_ns``, ``patched_ns``, ``fsdp_hook_ns`` (stock - unsharded), ``added_ns`` (median paired patched -
 stock), ``added_over_fsdp_hook`` (the target is <= 0.01), ``ratio`` (patched / stock); and for the paths
 measured on the hooks directly, ``path`` (``ordinary``, ``ordinary-autocast``, ``recompute``,
-``disable-wrapper``),
+``recompute-entered``, ``disable-wrapper``),
 ``ns_per_call``, ``over_fsdp_hook``.
 
     python benchmarks/hook_overhead.py [--rounds 200] [--calls 200] [--json out.json] [--smoke]
@@ -23,7 +23,6 @@ measured on the hooks directly, ``path`` (``ordinary``, ``ordinary-autocast``, `
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -70,47 +69,77 @@ def _paired(module: nn.Module, unsharded: nn.Module, x: torch.Tensor, rounds: in
             "unsharded": statistics.median(plain), "added": statistics.median(diffs)}
 
 
+class _InBackward(torch.autograd.Function):
+    """Runs ``ctx.body()`` in its backward: inside a real backward pass (graph task, backward node), where every
+    recompute runs."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        ctx.body()
+        return grad
+
+
+def _in_backward(body: Any) -> None:
+    out = _InBackward.apply(torch.ones(1, requires_grad=True))
+    out.grad_fn.body = body
+    out.sum().backward()
+
+
 def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str, Any]]:
     """The patch's own work per module call, called directly (FSDP's hooks not included).
 
     ``ordinary``: what runs before FSDP's pre-hook on an ordinary forward (the record), autocast off and on;
-    ``recompute``: the start of a replayed recompute and its end (the exit hook), with the state in
-    ``PRE_BACKWARD`` and autocast to replay."""
+    ``recompute``: the start of a replayed recompute and its end (the exit hook), inside a backward pass with the
+    state in ``PRE_BACKWARD``, the checkpoint having restored the call's autocast state (``torch.utils.checkpoint``
+    does); ``recompute-entered``: the same where the patch enters the call's state (a checkpoint that does not
+    restore it)."""
     cover = _patch._covers[id(_compat.load().state_of(module))]
     module_cover = cover.modules[0]
+    replayer = module_cover.replayer
     x = torch.randn(2, 8)
     args: tuple[Any, ...] = (x,)
     results = []
-    for path in ("ordinary", "ordinary-autocast", "recompute"):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=path != "ordinary"):
-            module(x)  # record this call
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module(x)  # the call the recomputes replay
+
+    def recomputes(samples: list[float], restored: bool) -> None:
         saved = cover.state._training_state
-        if path == "recompute":
-            cover.state._training_state = _compat.load().pre_backward
-        samples = []
-        # ordinary-autocast: the record reads autocast's state (grad off: a grad-enabled pass repeated in one
-        # autocast region would also drop the cast cache every time, see the module docstring).
-        timed_under = (torch.autocast("cpu", dtype=torch.bfloat16) if path == "ordinary-autocast"
-                       else contextlib.nullcontext())
+        cover.state._training_state = _compat.load().pre_backward
         try:
-            with timed_under, torch.set_grad_enabled(path != "ordinary-autocast"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=restored):
                 for _ in range(rounds):
                     start = time.perf_counter_ns()
                     for _ in range(calls):
-                        x.detach()  # the baseline: what the timed loop does besides the patch's work
-                    baseline = time.perf_counter_ns() - start
-                    start = time.perf_counter_ns()
-                    for _ in range(calls):
-                        if path == "recompute":  # what the entry runs for a recompute (inside backward)
-                            module_cover.replayer.start(module, [x])
-                        else:  # an ordinary call: a fresh input each time
-                            module_cover.begin(module, (x.detach(),), {})
-                        if module_cover.replayer.replays:
-                            module_cover.replayer.exit(module, args, x)
-                    samples.append((time.perf_counter_ns() - start - (0 if path == "recompute" else baseline))
-                                   / calls)
+                        replayer.start(module, [x])
+                        if replayer.replays:
+                            replayer.exit(module, args, x)
+                    samples.append((time.perf_counter_ns() - start) / calls)
         finally:
             cover.state._training_state = saved
+
+    for path in ("ordinary", "ordinary-autocast"):
+        samples: list[float] = []
+        # ordinary-autocast: the record reads autocast's state (grad off: a grad-enabled pass repeated in one
+        # autocast region would also drop the cast cache every time, see docs/safety.md).
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=path != "ordinary"), \
+                torch.set_grad_enabled(path == "ordinary"):
+            for _ in range(rounds):
+                start = time.perf_counter_ns()
+                for _ in range(calls):
+                    x.detach()  # the baseline: what the timed loop does besides the patch's work
+                baseline = time.perf_counter_ns() - start
+                start = time.perf_counter_ns()
+                for _ in range(calls):
+                    module_cover.begin(module, (x.detach(),), {})  # a fresh input each time
+                samples.append((time.perf_counter_ns() - start - baseline) / calls)
+        results.append({"torch": torch.__version__, "path": path, "ns_per_call": statistics.median(samples)})
+    for path, restored in (("recompute", True), ("recompute-entered", False)):
+        samples = []
+        _in_backward(lambda: recomputes(samples, restored))  # noqa: B023 - run before the next iteration
         results.append({"torch": torch.__version__, "path": path, "ns_per_call": statistics.median(samples)})
     wrapped = _hooks.eager(lambda module, args, kwargs: None)
     samples = []

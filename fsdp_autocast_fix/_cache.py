@@ -32,6 +32,7 @@ Autocast's cache belongs to the thread, and so does this bookkeeping.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any
@@ -44,6 +45,11 @@ from . import _report
 _clear_autocast_cache = torch.clear_autocast_cache
 _is_autocast_enabled = torch.is_autocast_enabled
 _is_inference_mode_enabled = torch.is_inference_mode_enabled
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _tls = threading.local()
 #: How many threads hold hazards: the one thing an ordinary grad-enabled call reads when none does.
 active = [0]
@@ -117,20 +123,29 @@ def _sentinel_cast(device_types: tuple[str, ...]) -> Any:
     device_type = next((d for d in device_types if _is_autocast_enabled(d)), None)
     if device_type is None:
         return None
+    source = _sentinels.get(device_type)
+    if source is None:
+        source = _sentinels[device_type] = torch.ones(1, 1, device=device_type, requires_grad=True)
+    # The op's saved inputs are the cast autocast took from (or put in) its cache; a saved-tensor hook of the
+    # patch's own takes them, so that what watches the region's ops does not see the sentinel's op (a
+    # checkpoint's saved-tensor hooks, selective checkpointing's dispatch mode would count it as the region's).
+    saved: list[torch.Tensor] = []
+    modes = _disable_current_modes() if _dispatch_modes() else contextlib.nullcontext()
+    grad = _is_grad_enabled()
     try:
-        source = _sentinels.get(device_type)
-        if source is None:
-            source = _sentinels[device_type] = torch.ones(1, 1, device=device_type, requires_grad=True)
-        # The op's saved inputs are the cast autocast took from (or put in) its cache; a saved-tensor hook of the
-        # patch's own takes them, so that what watches the region's ops does not see the sentinel's op (a
-        # checkpoint's saved-tensor hooks, selective checkpointing's dispatch mode would count it as the region's).
-        saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(saved.append, _same), _disable_current_modes(), \
-                torch.enable_grad():
+        _push_saved_hooks(saved.append, _same)  # raises where saved-tensor hooks are disabled
+    except RuntimeError:
+        return None
+    try:
+        with modes:
+            _set_grad_enabled(True)
             torch.mm(source, source)
-        return weakref.ref(saved[0])
     except Exception:  # a backend whose autocast does not cast mm, say: no sentinel
         return None
+    finally:
+        _set_grad_enabled(grad)
+        _pop_saved_hooks()
+    return weakref.ref(saved[0]) if saved else None
 
 
 def _still_cached(hazards: _Hazards) -> bool:

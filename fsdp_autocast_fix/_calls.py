@@ -96,52 +96,56 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
                       and a.device == b.device)
 
 
-class _Record:
-    """One call's leaves (weakly, with their versions) and the states it was called in, latest last, each with
-    its stamp (see :meth:`CallLog.record`)."""
+# A record is a plain tuple (the hot path makes one per call): the call's leaves as weak references, their
+# versions then, and the states it was called in, ``(state, stamp)`` each, latest last (see CallLog.record).
+_REFS, _VERSIONS, _CALLS = 0, 1, 2
+#: Not in the detach index yet (``CallLog.indexed``).
+_UNINDEXED: Any = object()
 
-    __slots__ = ("key", "refs", "versions", "calls", "memory", "__weakref__")
 
-    def __init__(self, key: Any, refs: tuple[Any, ...], versions: tuple[int, ...], call: Any, stamp: int) -> None:
-        self.key, self.refs, self.versions = key, refs, versions
-        self.calls: tuple[tuple[Any, int], ...] = ((call, stamp),)
-        self.memory: Any = None  # the detach key, once indexed
-
-    def matches(self, tensors: list[torch.Tensor], exact: bool) -> bool:
-        """Whether ``tensors`` are this call's leaves (``exact``) or they and ``detach()``es of them."""
-        if len(tensors) != len(self.refs):
+def _matches(record: tuple[Any, ...], tensors: Any, exact: bool) -> bool:
+    """Whether ``tensors`` are the record's leaves (``exact``) or they and ``detach()``es of them."""
+    refs = record[_REFS]
+    if len(tensors) != len(refs):
+        return False
+    for ref, version, t in zip(refs, record[_VERSIONS], tensors):
+        recorded = ref()
+        if recorded is None or t._version != version:
             return False
-        for ref, version, t in zip(self.refs, self.versions, tensors):
-            recorded = ref()
-            if recorded is None or t._version != version:
-                return False
-            if recorded is not t and (exact or not _same_memory(recorded, t)):
-                return False
-        return True
+        if recorded is not t and (exact or not _same_memory(recorded, t)):
+            return False
+    return True
 
 
 class CallLog:
     """The recorded forward calls of one sharded module (see the module docstring for the invariant).
 
+    ``by_key`` maps the leaves' identities to the record, in the order the records were made. The detach index
+    (``by_memory``: detach key -> the keys of the records made on that memory; ``indexed``: key -> its detach key)
+    is brought up to date at a lookup that needs it, from the end of ``by_key`` back to the first record indexed
+    already: the records indexed are always the first ones of ``by_key``, so each record is indexed once and
+    an ordinary call costs the same however many calls are alive.
+
     ``unkeyed`` is the latest call with no leaves at all (only parameters, or no tensor): a recompute that finds
     no record replays it. ``last`` is the latest call's state, for the warning on a recompute that finds none.
     """
 
-    __slots__ = ("by_key", "by_memory", "unindexed", "unkeyed", "last", "_forget_ref", "__weakref__")
+    __slots__ = ("by_key", "by_memory", "indexed", "unkeyed", "last", "_forget_ref", "__weakref__")
 
     def __init__(self) -> None:
-        self.by_key: dict[Any, _Record] = {}
-        #: detach key -> {id(record): record}; built lazily, at the first lookup that needs it.
-        self.by_memory: dict[Any, dict[int, _Record]] = {}
-        self.unindexed: dict[int, _Record] = {}
+        self.by_key: dict[Any, tuple[Any, ...]] = {}
+        self.by_memory: dict[Any, dict[Any, None]] = {}
+        self.indexed: dict[Any, Any] = {}
         self.unkeyed: Any = None
         self.last: Any = None
         self_ref = weakref.ref(self)
 
-        def forget(ref: Any, self_ref: Any = self_ref) -> None:  # a recorded leaf was freed
+        def forget(ref: Any, self_ref: Any = self_ref) -> None:  # a recorded leaf was freed: drop its record
             log = self_ref()
             if log is not None:
-                log._forget(ref)
+                record = log.by_key.get(ref.key)
+                if record is not None and ref in record[_REFS]:  # a dead reference equals only itself
+                    log._drop(ref.key)
 
         self._forget_ref = forget
 
@@ -150,92 +154,101 @@ class CallLog:
 
     # -- the hot path: one record per ordinary call -------------------------------------------------------
 
-    def record(self, tensors: list[torch.Tensor], call: Any, stamp: int) -> None:
-        """Record ``call`` (its state) under ``tensors``; the same leaves again keep each state once, latest last.
+    def record(self, tensors: Any, call: Any, stamp: int) -> None:
+        """Record ``call`` (its state) under the leaves ``tensors``; the same leaves again keep each state once,
+        latest last.
 
         ``stamp``: autograd's sequence number when a call runs without grad (reentrant-style checkpoints run
         their forward so), else -1; it tells a checkpoint's own call from an eval pass on the same leaves."""
         self.last = call
-        if not tensors:
-            self.unkeyed = call
-            return
-        key = _key(tensors)
-        seen = self.by_key.get(key)
-        if seen is not None and seen.matches(tensors, exact=True):
-            if seen.calls[-1] != (call, stamp):
-                seen.calls = tuple(c for c in seen.calls if c[0] != call) + ((call, stamp),)
-            if seen.memory is not None:  # index it again: its data may have moved (FSDP re-allocates the unsharded
-                self._unindex(seen)  # parameters a call given only parameters gets)
-                self.unindexed[id(seen)] = seen
-            return
-        if seen is not None:
-            self._drop(seen)
-        forget = self._forget_ref
         if len(tensors) == 1:
             x = tensors[0]
-            record = _Record(key, (_ref(x, key, forget),), (x._version,), call, stamp)
+            key: Any = id(x)
+            seen = self.by_key.get(key)
+            if seen is None or not _matches(seen, tensors, exact=True):
+                if seen is not None:
+                    self._drop(key)
+                ref = _KeyedRef(x, self._forget_ref)
+                ref.key = key
+                self.by_key[key] = ((ref,), (x._version,), ((call, stamp),))
+                return
+        elif tensors:
+            key = tuple(map(id, tensors))
+            seen = self.by_key.get(key)
+            if seen is None or not _matches(seen, tensors, exact=True):
+                if seen is not None:
+                    self._drop(key)
+                forget = self._forget_ref
+                self.by_key[key] = (tuple([_ref(t, key, forget) for t in tensors]),
+                                    tuple([t._version for t in tensors]), ((call, stamp),))
+                return
         else:
-            record = _Record(key, tuple([_ref(t, key, forget) for t in tensors]),
-                             tuple([t._version for t in tensors]), call, stamp)
-        self.by_key[key] = record
-        self.unindexed[id(record)] = record
+            self.unkeyed = call
+            return
+        self._again(key, seen, (call, stamp))
+
+    def _again(self, key: Any, seen: tuple[Any, ...], stamped: tuple[Any, int]) -> None:
+        """The very leaves of a record called again: keep each state once, latest last."""
+        calls = seen[_CALLS]
+        if calls[-1] != stamped:
+            calls = tuple(c for c in calls if c[0] != stamped[0]) + (stamped,)
+        memory = self.indexed.get(key)
+        if memory is not None:  # index it again: its data may have moved (FSDP re-allocates the unsharded
+            self._drop(key)  # parameters that a call given only parameters gets)
+        self.by_key[key] = seen[:_CALLS] + (calls,)
 
     # -- recompute --------------------------------------------------------------------------------------
 
-    def find(self, tensors: list[torch.Tensor]) -> tuple[tuple[Any, int], ...] | None:
+    def find(self, tensors: Any) -> tuple[tuple[Any, int], ...] | None:
         """``(state, stamp)`` of each call recorded under the leaves (or ``detach()``es of them) ``tensors``, oldest
         first, or None."""
         if not tensors:
             return None
         seen = self.by_key.get(_key(tensors))
-        if seen is not None and seen.matches(tensors, exact=True):
-            return seen.calls
+        if seen is not None and _matches(seen, tensors, exact=True):
+            return seen[_CALLS]  # type: ignore[no-any-return]
         memory = _memory(tensors)
         if memory is None:
             return None
         self._index()
         found: tuple[Any, ...] = ()
-        for record in list(self.by_memory.get(memory, {}).values()):
-            if record.matches(tensors, exact=False):
-                found += tuple(c for c in record.calls if c not in found)
+        for key in list(self.by_memory.get(memory, ())):
+            record = self.by_key[key]
+            if _matches(record, tensors, exact=False):
+                found += tuple(c for c in record[_CALLS] if c not in found)
         return found or None
 
     def _index(self) -> None:
-        """Put the records made since the last detach lookup into the detach index (each record once)."""
-        for record in list(self.unindexed.values()):  # a weak reference's callback may drop one meanwhile
-            alive = [ref() for ref in record.refs]
-            if any(t is None for t in alive):
-                continue
-            record.memory = _memory(alive)  # type: ignore[arg-type]
-            if record.memory is not None:
-                self.by_memory.setdefault(record.memory, {})[id(record)] = record
-        self.unindexed.clear()
+        """Put the records made since the last detach lookup into the detach index, newest first back to the
+        first one indexed already (see the class docstring)."""
+        indexed = self.indexed
+        fresh = []
+        for key in reversed(self.by_key):
+            if key in indexed:
+                break
+            fresh.append(key)
+        for key in fresh:
+            alive = [ref() for ref in self.by_key[key][_REFS]]
+            memory = None if any(t is None for t in alive) else _memory(alive)  # type: ignore[arg-type]
+            indexed[key] = memory
+            if memory is not None:
+                self.by_memory.setdefault(memory, {})[key] = None
 
     # -- lifetime ---------------------------------------------------------------------------------------
 
-    def _forget(self, ref: _KeyedRef) -> None:
-        record = self.by_key.get(ref.key)
-        if record is not None and any(r is ref for r in record.refs):
-            self._drop(record)
-
-    def _drop(self, record: _Record) -> None:
-        if self.by_key.get(record.key) is record:
-            del self.by_key[record.key]
-        self.unindexed.pop(id(record), None)
-        self._unindex(record)
-
-    def _unindex(self, record: _Record) -> None:
-        if record.memory is not None:
-            bucket = self.by_memory.get(record.memory)
-            if bucket is not None:
-                bucket.pop(id(record), None)
-                if not bucket:
-                    del self.by_memory[record.memory]
-        record.memory = None
+    def _drop(self, key: Any) -> None:
+        """Forget the record under ``key``, and its place in the detach index."""
+        del self.by_key[key]
+        memory = self.indexed.pop(key, _UNINDEXED)
+        if memory is not _UNINDEXED and memory is not None:
+            bucket = self.by_memory[memory]
+            del bucket[key]
+            if not bucket:
+                del self.by_memory[memory]
 
     def clear(self) -> None:
         """Forget every record."""
         self.by_key.clear()
         self.by_memory.clear()
-        self.unindexed.clear()
+        self.indexed.clear()
         self.unkeyed = self.last = None

@@ -38,7 +38,7 @@ class Placement:
     """The patch's entries in one module's hook dicts (see the module docstring for the invariant)."""
 
     __slots__ = ("slots", "fsdp_entry", "fsdp_call", "fsdp_post", "hook", "post_hook", "exit_hook", "lead_hook",
-                 "lead", "exit_handle", "__weakref__")
+                 "lead", "exit_handle", "exit_dicts", "exit_on", "snapshot", "__weakref__")
 
     def __init__(self, state: Any, slots: _compat.HookSlots) -> None:
         self.slots = slots
@@ -46,12 +46,16 @@ class Placement:
         #: What the patch's entry calls: FSDP's _pre_forward without FSDP's per-call dynamo-disable wrapper.
         self.fsdp_call = _compat.load().bare_hook(self.fsdp_entry, state)
         self.fsdp_post = slots.post_entry.get()  # FSDP's forward-hook entry, likewise
+        #: Whether nn.Module.__call__ runs forward hooks from a snapshot (the exit hook may remove itself).
+        self.snapshot = _compat.load().forward_hooks_snapshot
         self.hook: Any = None
         self.post_hook: Any = None
         self.exit_hook: Any = None
         self.lead_hook: Any = None
         self.lead: Any = None  # handle of the lead pre-hook, while user pre-hooks run before FSDP's
-        self.exit_handle: Any = None
+        self.exit_handle: Any = None  # the exit hook's registration: its key, reserved from then on
+        self.exit_dicts: Any = None  # the module's forward hooks and their always_call flags
+        self.exit_on = False
 
     def install(self, module: torch.nn.Module, entry: Callable[..., Any], post_forward: Callable[..., Any],
                 exit_hook: Callable[..., Any], lead: Callable[..., Any]) -> None:
@@ -94,9 +98,19 @@ class Placement:
             self.slots.post_entry.set(self.fsdp_post)
 
     def register_exit(self, module: torch.nn.Module) -> None:
-        """Add the exit hook (last, ``always_call``) unless it is registered."""
+        """Add the exit hook (last, ``always_call``) unless it is on. Registered once; later it goes back under
+        the key it was registered with, which puts it after every hook registered since, as a registration does
+        (no new handle per recompute)."""
         if self.exit_handle is None:
             self.exit_handle = module.register_forward_hook(self.exit_hook, always_call=True)
+            self.exit_dicts = (module._forward_hooks, module._forward_hooks_always_called)
+            self.exit_on = True
+        elif not self.exit_on:
+            hooks, always_called = self.exit_dicts
+            key = self.exit_handle.id
+            hooks[key] = self.exit_hook
+            always_called[key] = True
+            self.exit_on = True
 
     def unregister_exit(self, replays: list[Any]) -> None:
         """Remove the exit hook once no replay is in flight.
@@ -105,7 +119,7 @@ class Placement:
         there. On its exception path (an error, or checkpoint's early stop) it iterates the dict itself: then the
         removal waits for the end of the backward pass this recompute belongs to, or, outside backward, for the
         module's next call."""
-        if self.exit_handle is None or not _compat.load().forward_hooks_snapshot:
+        if not self.exit_on or not self.snapshot:
             return
         if sys.exc_info()[1] is None:
             self.drop_exit()
@@ -113,10 +127,13 @@ class Placement:
             _compat.load().queue_backward_callback(lambda: None if replays else self.drop_exit())
 
     def drop_exit(self) -> None:
-        """Remove the exit hook now."""
-        if self.exit_handle is not None:
-            self.exit_handle.remove()
-            self.exit_handle = None
+        """Take the exit hook off now (its key stays reserved)."""
+        if self.exit_on:
+            hooks, always_called = self.exit_dicts
+            key = self.exit_handle.id
+            hooks.pop(key, None)
+            always_called.pop(key, None)
+            self.exit_on = False
 
     # -- undo ---------------------------------------------------------------------------------------------
 

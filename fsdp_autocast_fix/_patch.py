@@ -42,6 +42,8 @@ _is_grad_enabled = torch.is_grad_enabled
 _sequence_nr = torch._C._autograd._get_sequence_nr
 _capture_enabled = _autocast.capture_enabled
 _leaves = _calls.leaves
+_Tensor = torch.Tensor
+_ALL_OFF = _autocast.ALL_OFF
 _hazards_active = _cache.active
 _group_casts = _compat.group_casts
 _held = held
@@ -100,7 +102,6 @@ class _Module:
     def begin(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Record an ordinary call or start the replay of a recompute: from the entry, or as the lead pre-hook
         while user pre-hooks run before FSDP's."""
-        state = self.state
         if _graph_task_id() != -1:  # a recompute: only a backward runs one (FSDP stays in PRE_BACKWARD after a
             self.replayer.start(module, _leaves(args, kwargs))  # backward that raised)
             return
@@ -108,22 +109,25 @@ class _Module:
             self.replayer.drop_stale()
         if _held[0]:  # a recompute region's entered state outlived its backward
             _release_region()
-        autocast = _any_autocast_enabled()
-        call = self._call(state, module, autocast) if self.varies or autocast else _PLAIN_CALL
-        if not _is_inference_mode_enabled():  # an inference-mode call is never recomputed
-            self.log.record(_leaves(args, kwargs), call, -1 if _is_grad_enabled() else _sequence_nr())
-
-    def _call(self, state: Any, module: torch.nn.Module, autocast: bool) -> tuple[Any, ...]:
-        """The record of a call under autocast, or of a module whose record depends on the call."""
-        if autocast:
-            now = _capture_enabled(self.device_types)
-            if now[1]:  # the cast cache is on
-                if not _is_grad_enabled():
-                    _cache.note(self.cover_key, -1, self.device_types)
-                elif _hazards_active[0]:
-                    _cache.check(self.cover_key, -1, self.name)
+        grad = _is_grad_enabled()
+        if _any_autocast_enabled():
+            call = self._call(module, _capture_enabled(self.device_types), grad)
         else:
-            now = _autocast.ALL_OFF
+            call = self._call(module, _ALL_OFF, grad) if self.varies else _PLAIN_CALL
+        if _is_inference_mode_enabled():  # an inference-mode call is never recomputed
+            return
+        x = args[0] if len(args) == 1 and not kwargs else None
+        self.log.record((x,) if type(x) is _Tensor else _leaves(args, kwargs), call, -1 if grad else _sequence_nr())
+
+    def _call(self, module: torch.nn.Module, now: Any, grad: bool) -> tuple[Any, ...]:
+        """The record of a call under the autocast state ``now``, grad mode ``grad``; first, under autocast with
+        the cast cache on, the cache's hazards (see :mod:`._cache`)."""
+        if now is not _ALL_OFF and now[1]:
+            if not grad:
+                _cache.note(self.cover_key, -1, self.device_types)
+            elif _hazards_active[0]:
+                _cache.check(self.cover_key, -1, self.name)
+        state = self.state
         moved = self.may_move and state._state_ctx.iter_forward_root is None  # this call starts a forward pass
         return (now, moved) + (_group_casts(state, module) if self.grouped else ALL_CAST)
 

@@ -189,9 +189,7 @@ class Replayer:
         frame = entered = None
         if not stack_of_frames:  # the outermost covered module of this recompute: the call it replays
             chosen, entered = self._choose(module, tensors, _autocast.capture(cover.device_types))
-            _report.count(self.name, "recomputes")
-            if entered is not None:
-                _report.count(self.name, "autocast_changed")
+            _report.count_recompute(self.name, entered is not None)
             frame = Frame(module, graph_task)
             stack_of_frames.append(frame)
         else:

@@ -109,6 +109,14 @@ def count(cls: str, what: str, n: int = 1) -> None:
         _counts[cls, what] += n
 
 
+def count_recompute(cls: str, autocast_changed: bool) -> None:
+    """A replayed recompute of a ``cls`` module (``autocast_changed``: the replay entered the call's state)."""
+    with _lock:
+        _counts[cls, "recomputes"] += 1
+        if autocast_changed:
+            _counts[cls, "autocast_changed"] += 1
+
+
 def unidentified(cls: str, reason: str) -> None:
     """A recompute of a ``cls`` module whose call was not identified, and why."""
     with _lock:

@@ -42,7 +42,7 @@ def test_hook_overhead_smoke(tmp_path) -> None:
     results = json.loads(out.read_text())
     assert {r["grad"] for r in results if "grad" in r} == {"off", "on"}
     assert {r["path"] for r in results if "path" in r} == {"ordinary", "ordinary-autocast", "recompute",
-                                                             "disable-wrapper"}
+                                                             "recompute-entered", "disable-wrapper"}
     for r in results:
         assert all(isinstance(v, (int, float, str)) for v in r.values())
 
@@ -62,3 +62,14 @@ def test_value_check_smoke(tmp_path) -> None:
     _run("value_check.py", "--smoke", "--json", str(out))
     result = json.loads(out.read_text())
     assert set(result) == {"torch", "off_ms", "on_ms", "ratio"}
+
+
+def test_scaling_smoke(tmp_path) -> None:
+    out = tmp_path / "scaling.json"
+    _run("scaling.py", "--smoke", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert {r["checkpoint"] for r in results} == {"torch", "function"}
+    for r in results:
+        assert {"torch", "layers", "micro_batches", "evals_alive", "rounds", "stock_ms", "patched_ms",
+                "ratio"} <= set(r)
+        assert r["stock_ms"] > 0 and r["patched_ms"] > 0

@@ -50,14 +50,14 @@ def test_records_hold_no_tensors() -> None:
     cover = _patch._covers[id(fsdp_autocast_fix._compat.load().state_of(layer))]
     (module_cover,) = cover.modules
     (record,) = module_cover.log.by_key.values()
-    ((ref,), (version,)) = record.refs, record.versions
+    (ref,), (version,), calls = record
     assert isinstance(ref, weakref.ref) and ref() is x
-    assert isinstance(version, int) and record.calls and _no_tensors(record.calls)
+    assert isinstance(version, int) and calls and _no_tensors(calls)
     assert module_cover.replayer.replays == []
     del x
     gc.collect()
     assert len(module_cover.log) == 0  # the record went with its input
-    assert not module_cover.log.unindexed and not module_cover.log.by_memory
+    assert not module_cover.log.indexed and not module_cover.log.by_memory
 
 
 def test_no_activation_or_input_alive_after_backward() -> None:

@@ -1,0 +1,82 @@
+"""The call log on its own: what a lookup finds, and that its cost does not grow with the calls alive.
+
+The cost is checked by counting work, not by timing: a detach lookup indexes each record once (the records made
+since the last lookup, and no other), and a freed leaf takes its record and its index entry with it.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from fsdp_autocast_fix import _calls
+
+
+def _count_memory_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    reads = [0]
+    memory = _calls._memory
+
+    def counted(tensors):  # type: ignore[no-untyped-def]
+        reads[0] += 1
+        return memory(tensors)
+
+    monkeypatch.setattr(_calls, "_memory", counted)
+    return reads
+
+
+def test_exact_and_detach_lookups_find_each_call_and_only_it() -> None:
+    log = _calls.CallLog()
+    xs = [torch.randn(3) for _ in range(50)]
+    for i, x in enumerate(xs):
+        log.record((x,), ("state", i), -1)
+    pair = (torch.randn(2), torch.randn(2))
+    log.record(pair, "pair", 7)
+    assert log.find((xs[17],)) == ((("state", 17), -1),)
+    assert log.find((xs[17].detach(),)) == ((("state", 17), -1),)
+    assert log.find(tuple(t.detach() for t in pair)) == (("pair", 7),)
+    assert log.find((pair[0].detach(),)) is None  # not the call's leaves
+    assert log.find((xs[3][1:].detach(),)) is None  # another view of the same memory
+    assert log.find((xs[3].clone(),)) is None  # a copy
+    xs[5].add_(1)
+    assert log.find((xs[5].detach(),)) is None  # changed in place since the call
+
+
+def test_each_record_is_indexed_once_however_many_are_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    log = _calls.CallLog()
+    alive = [torch.randn(2) for _ in range(1000)]
+    for x in alive:
+        log.record((x,), "s", -1)
+    reads = _count_memory_reads(monkeypatch)
+    for x in alive[-10:]:  # ten detach lookups: the first indexes the 1000 records, the others nothing
+        assert log.find((x.detach(),)) == (("s", -1),)
+    assert reads[0] == 1000 + 10  # each record once, and each lookup's own leaves
+    more = [torch.randn(2) for _ in range(5)]
+    for x in more:
+        log.record((x,), "t", -1)
+    reads[0] = 0
+    assert log.find((more[0].detach(),)) == (("t", -1),)
+    assert reads[0] == 5 + 1  # only the records made since
+
+
+def test_a_freed_leaf_takes_its_record_and_index_entry() -> None:
+    log = _calls.CallLog()
+    x, y = torch.randn(2), torch.randn(2)
+    log.record((x,), "x", -1)
+    log.record((x, y), "xy", -1)
+    assert log.find((x.detach(),)) == (("x", -1),)  # indexed
+    del x
+    gc.collect()
+    assert len(log) == 0 and not log.indexed and not log.by_memory
+
+
+def test_the_same_leaves_again_keep_each_state_once_latest_last() -> None:
+    log = _calls.CallLog()
+    x = torch.randn(2)
+    for state in ("a", "b", "a"):
+        log.record((x,), state, -1)
+    assert log.find((x,)) == (("b", -1), ("a", -1))
+    assert log.find((x.detach(),)) == (("b", -1), ("a", -1))
+    log.record((x,), "c", 4)  # indexed already: indexed again at the next detach lookup
+    assert log.find((x.detach(),)) == (("b", -1), ("a", -1), ("c", 4))
