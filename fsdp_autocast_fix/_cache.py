@@ -48,6 +48,7 @@ _is_inference_mode_enabled = torch.is_inference_mode_enabled
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
+_pre_dispatch_modes = torch._ops._len_torch_dispatch_stack_pre_dispatch
 _push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _tls = threading.local()
@@ -125,12 +126,16 @@ def _sentinel_cast(device_types: tuple[str, ...]) -> Any:
         return None
     source = _sentinels.get(device_type)
     if source is None:
-        source = _sentinels[device_type] = torch.ones(1, 1, device=device_type, requires_grad=True)
+        try:
+            source = _sentinels[device_type] = torch.ones(1, 1, device=device_type, requires_grad=True)
+        except Exception:  # pragma: no cover - a device type torch cannot allocate on here
+            return None
     # The op's saved inputs are the cast autocast took from (or put in) its cache; a saved-tensor hook of the
     # patch's own takes them, so that what watches the region's ops does not see the sentinel's op (a
     # checkpoint's saved-tensor hooks, selective checkpointing's dispatch mode would count it as the region's).
     saved: list[torch.Tensor] = []
-    modes = _disable_current_modes() if _dispatch_modes() else contextlib.nullcontext()
+    modes = (_disable_current_modes() if _dispatch_modes() or _pre_dispatch_modes()
+             else contextlib.nullcontext())
     grad = _is_grad_enabled()
     try:
         _push_saved_hooks(saved.append, _same)  # raises where saved-tensor hooks are disabled

@@ -103,6 +103,15 @@ _REFS, _VERSIONS, _CALLS = 0, 1, 2
 _UNINDEXED: Any = object()
 
 
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter; -1 for an inference tensor, which has none (and cannot be changed in place
+    outside inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def _matches(record: tuple[Any, ...], tensors: Any, exact: bool) -> bool:
     """Whether ``tensors`` are the record's leaves (``exact``) or they and ``detach()``es of them."""
     refs = record[_REFS]
@@ -110,7 +119,7 @@ def _matches(record: tuple[Any, ...], tensors: Any, exact: bool) -> bool:
         return False
     for ref, version, t in zip(refs, record[_VERSIONS], tensors):
         recorded = ref()
-        if recorded is None or t._version != version:
+        if recorded is None or _version(t) != version:
             return False
         if recorded is not t and (exact or not _same_memory(recorded, t)):
             return False
@@ -170,7 +179,11 @@ class CallLog:
                     self._drop(key)
                 ref = _KeyedRef(x, self._forget_ref)
                 ref.key = key
-                self.by_key[key] = ((ref,), (x._version,), ((call, stamp),))
+                try:
+                    version = x._version
+                except RuntimeError:  # an inference tensor
+                    version = -1
+                self.by_key[key] = ((ref,), (version,), ((call, stamp),))
                 return
         elif tensors:
             key = tuple(map(id, tensors))
@@ -180,7 +193,7 @@ class CallLog:
                     self._drop(key)
                 forget = self._forget_ref
                 self.by_key[key] = (tuple([_ref(t, key, forget) for t in tensors]),
-                                    tuple([t._version for t in tensors]), ((call, stamp),))
+                                    tuple([_version(t) for t in tensors]), ((call, stamp),))
                 return
         else:
             self.unkeyed = call
@@ -212,24 +225,35 @@ class CallLog:
             return None
         self._index()
         found: tuple[Any, ...] = ()
-        for key in list(self.by_memory.get(memory, ())):
-            record = self.by_key[key]
-            if _matches(record, tensors, exact=False):
+        for key in list(self.by_memory.get(memory, ())):  # oldest first
+            record = self.by_key.get(key)
+            if record is not None and _matches(record, tensors, exact=False):
                 found += tuple(c for c in record[_CALLS] if c not in found)
         return found or None
 
     def _index(self) -> None:
-        """Put the records made since the last detach lookup into the detach index, newest first back to the
-        first one indexed already (see the class docstring)."""
-        indexed = self.indexed
-        fresh = []
-        for key in reversed(self.by_key):
-            if key in indexed:
+        """Put the records made since the last detach lookup into the detach index, oldest first, each marked
+        indexed once it is in (see the class docstring: an interrupted pass leaves the indexed records a prefix).
+        A record dropped meanwhile (its leaf freed by a garbage collection, or on another thread) is skipped."""
+        indexed, by_key = self.indexed, self.by_key
+        while True:
+            fresh = []
+            try:
+                for key in reversed(by_key):  # newest back to the first indexed already
+                    if key in indexed:
+                        break
+                    fresh.append(key)
                 break
-            fresh.append(key)
-        for key in fresh:
-            alive = [ref() for ref in self.by_key[key][_REFS]]
-            memory = None if any(t is None for t in alive) else _memory(alive)  # type: ignore[arg-type]
+            except RuntimeError:  # another thread dropped a record meanwhile: walk again
+                continue
+        for key in reversed(fresh):
+            record = by_key.get(key)
+            if record is None:
+                continue
+            alive = [ref() for ref in record[_REFS]]  # held until the entry is in: a leaf freed after it drops it
+            memory = None if any(t is None for t in alive) else _memory(alive)
+            if key not in by_key:  # dropped while its memory was read
+                continue
             indexed[key] = memory
             if memory is not None:
                 self.by_memory.setdefault(memory, {})[key] = None

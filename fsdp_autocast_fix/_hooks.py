@@ -106,7 +106,7 @@ class Placement:
             self.exit_dicts = (module._forward_hooks, module._forward_hooks_always_called)
             self.exit_on = True
         elif not self.exit_on:
-            hooks, always_called = self.exit_dicts
+            hooks, always_called = self.exit_dicts = module._forward_hooks, module._forward_hooks_always_called
             key = self.exit_handle.id
             hooks[key] = self.exit_hook
             always_called[key] = True

@@ -80,3 +80,38 @@ def test_the_same_leaves_again_keep_each_state_once_latest_last() -> None:
     assert log.find((x.detach(),)) == (("b", -1), ("a", -1))
     log.record((x,), "c", 4)  # indexed already: indexed again at the next detach lookup
     assert log.find((x.detach(),)) == (("b", -1), ("a", -1), ("c", 4))
+
+
+def test_a_record_dropped_while_the_index_is_built_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leaf freed mid-pass (a garbage collection, another thread): no error, no stale entry, and the records
+    after it are indexed (the indexed ones stay a prefix, so none is missed later)."""
+    log = _calls.CallLog()
+    held = {name: torch.randn(2) for name in "abc"}
+    for name, t in held.items():
+        log.record((t,), name, -1)
+    memory = _calls._memory
+    reads = []
+
+    def freeing(tensors):  # type: ignore[no-untyped-def]
+        reads.append(tensors)
+        if len(reads) == 2:  # the lookup's own leaves, then the first record indexed: b goes now
+            held.pop("b")
+            gc.collect()
+        return memory(tensors)
+
+    monkeypatch.setattr(_calls, "_memory", freeing)
+    assert log.find((held["c"].detach(),)) == (("c", -1),)
+    monkeypatch.setattr(_calls, "_memory", memory)
+    assert log.find((held["a"].detach(),)) == (("a", -1),)
+    assert len(log) == 2 and len(log.indexed) == 2 and len(log.by_memory) == 2
+
+
+def test_an_inference_tensor_is_recorded_and_found() -> None:
+    """A tensor made under inference_mode has no version counter; a call on it outside inference mode is
+    recorded all the same (stock FSDP2 runs it)."""
+    with torch.inference_mode():
+        x = torch.randn(2)
+    log = _calls.CallLog()
+    log.record((x,), "s", -1)
+    log.record((x, torch.randn(2)), "t", -1)
+    assert log.find((x,)) == (("s", -1),)

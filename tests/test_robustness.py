@@ -239,3 +239,17 @@ def test_a_keyboard_interrupt_then_a_new_autocast_region() -> None:
         layer(x)
         assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == (True, torch.float16)
     assert not torch.is_autocast_enabled("cpu") and _nesting() == 0
+
+
+def test_inputs_made_under_inference_mode() -> None:
+    """A sharded module called outside inference mode on tensors made under it (no version counter): as stock."""
+    with torch.inference_mode():
+        x = torch.randn(4, S.DIM)
+    outputs = []
+    for patched in (False, True):
+        torch.manual_seed(0)
+        layer = _sharded(patched=patched)
+        with torch.no_grad(), torch.autocast("cpu", dtype=S.BF16):
+            outputs.append(layer(x))
+            outputs.append(layer((x, x)[0]))
+    assert all(torch.equal(outputs[0], out) for out in outputs)
