@@ -22,6 +22,8 @@ DEEPSPEED = "0.19.8"
 #: The whole suite on each; FSDP2 runs on CPU from 2.7, and on 2.4-2.6 through the suite's stand-ins.
 CPU_MATRIX = ["2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1",
               "2.15.0"]
+#: The torches ``nox -s bench`` measures on (and the benchmarks' smoke tests run on in CI).
+BENCH_TORCHES = ["2.12.1", "2.13.0"]
 #: Run only by the transformers sessions (they need transformers and accelerate); the others ignore them.
 TRANSFORMERS_TESTS = ["tests/test_transformers.py", "tests/test_autoapply_transformers.py"]
 
@@ -37,11 +39,11 @@ def _install_torch(session: nox.Session, version: str) -> None:
 @nox.session(python="3.11")
 @nox.parametrize("torch", CI, ids=CI)
 def tests(session: nox.Session, torch: str) -> None:
-    """The whole suite against one torch release."""
+    """The whole suite against one torch release (the benchmarks' smoke runs on the torches they run on)."""
     _install_torch(session, torch)
     session.install("-e", ".[test]")
-    session.run("python", "-m", "pytest", "-q", *(f"--ignore={path}" for path in TRANSFORMERS_TESTS),
-                *session.posargs)
+    ignored = TRANSFORMERS_TESTS + ([] if torch in BENCH_TORCHES else ["tests/test_benchmarks_smoke.py"])
+    session.run("python", "-m", "pytest", "-q", *(f"--ignore={path}" for path in ignored), *session.posargs)
 
 
 #: transformers 4.x checkpoints each decoder layer's __call__ (hits the bug); 5.x does not.
