@@ -101,16 +101,15 @@ class Placement:
         """Add the exit hook (last, ``always_call``) unless it is on. Registered once; later it goes back under
         the key it was registered with, which puts it after every hook registered since, as a registration does
         (no new handle per recompute)."""
+        if self.exit_on:
+            return
+        hooks, always_called = self.exit_dicts = module._forward_hooks, module._forward_hooks_always_called
         if self.exit_handle is None:
             self.exit_handle = module.register_forward_hook(self.exit_hook, always_call=True)
-            self.exit_dicts = (module._forward_hooks, module._forward_hooks_always_called)
-            self.exit_on = True
-        elif not self.exit_on:
-            hooks, always_called = self.exit_dicts = module._forward_hooks, module._forward_hooks_always_called
-            key = self.exit_handle.id
-            hooks[key] = self.exit_hook
-            always_called[key] = True
-            self.exit_on = True
+        else:
+            hooks[self.exit_handle.id] = self.exit_hook
+            always_called[self.exit_handle.id] = True
+        self.exit_on = True
 
     def unregister_exit(self, replays: list[Any]) -> None:
         """Remove the exit hook once no replay is in flight.
