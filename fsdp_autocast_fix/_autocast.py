@@ -51,6 +51,17 @@ def _write(state: Any, device_types: tuple[str, ...]) -> None:
     torch.set_autocast_cache_enabled(cache_enabled)
 
 
+def _write_over(state: Any, current: Any, device_types: tuple[str, ...]) -> None:
+    """:func:`_write` of ``state`` where ``current`` was read just before: only what differs is set."""
+    for device_type, (enabled, dtype), (enabled_now, dtype_now) in zip(device_types, state[0], current[0]):
+        if enabled != enabled_now:
+            torch.set_autocast_enabled(device_type, enabled)
+        if dtype != dtype_now:
+            torch.set_autocast_dtype(device_type, dtype)
+    if state[1] != current[1]:
+        torch.set_autocast_cache_enabled(state[1])
+
+
 class Entered:
     """An autocast state entered as ``torch.autocast`` enters it, that can pause between the calls it covers.
 
@@ -71,7 +82,7 @@ class Entered:
         self.before = _read(device_types)
         for _ in device_types:
             torch.autocast_increment_nesting()
-        _write(captured, device_types)
+        _write_over(captured, self.before, device_types)
         self.active = True
 
     def pause(self) -> None:
@@ -84,7 +95,7 @@ class Entered:
         """Enter the state again over what is current now."""
         if not self.active:
             self.before = _read(self.device_types)
-            _write(self.state, self.device_types)
+            _write_over(self.state, self.before, self.device_types)
             self.active = True
 
     def release(self, restore: bool = False) -> None:

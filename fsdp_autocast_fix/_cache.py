@@ -86,13 +86,18 @@ def note(state: Any, task: int, device_types: tuple[str, ...]) -> None:
     """A covered call of ``state`` under autocast with the cache on made casts that are a hazard: under
     ``no_grad`` (``task`` -1), or in the recompute of graph task ``task``."""
     hazards = _hazards()
-    if hazards.by_state and not _still_cached(hazards):  # the cache was cleared since: those are gone
-        _reset(hazards)
-    if not hazards.by_state:
+    by_state = hazards.by_state
+    if by_state:
+        sentinel = hazards.sentinel
+        if sentinel is not None and sentinel() is None:  # the cache was cleared since: those are gone
+            _reset(hazards)
+        elif by_state.get(state) == -1:  # a no_grad hazard for this state, still cached: it outranks any other,
+            return  # so nothing changes (an eval pass notes on every call: this is its path)
+    if not by_state:
         active[0] += 1
         hazards.sentinel = _sentinel_cast(device_types)
-    if task == -1 or hazards.by_state.get(state) != -1:  # a no_grad hazard outranks a recompute's
-        hazards.by_state[state] = task
+    if task == -1 or by_state.get(state) != -1:  # a no_grad hazard outranks a recompute's
+        by_state[state] = task
 
 
 def check(state: Any, task: int, owner: str) -> None:

@@ -217,9 +217,15 @@ class CallLog:
         first, or None."""
         if not tensors:
             return None
-        seen = self.by_key.get(_key(tensors))
-        if seen is not None and _matches(seen, tensors, exact=True):
-            return seen[_CALLS]  # type: ignore[no-any-return]
+        if len(tensors) == 1:  # the common case, spelled out: the very tensor recorded
+            t = tensors[0]
+            seen = self.by_key.get(id(t))
+            if seen is not None and seen[_REFS][0]() is t and _version(t) == seen[_VERSIONS][0]:
+                return seen[_CALLS]  # type: ignore[no-any-return]
+        else:
+            seen = self.by_key.get(_key(tensors))
+            if seen is not None and _matches(seen, tensors, exact=True):
+                return seen[_CALLS]  # type: ignore[no-any-return]
         memory = _memory(tensors)
         if memory is None:
             return None

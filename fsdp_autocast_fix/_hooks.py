@@ -7,9 +7,9 @@ replay after every other hook. While user pre-hooks run before FSDP's, a lead pr
 so that the record and the replayed autocast state come before them too.
 
 The patch's hooks are wrapped with ``torch._dynamo.disable`` as FSDP's are, so torch.compile runs them eagerly
-where it ran FSDP's; inside the entry, FSDP's pre-hook is called without FSDP's own wrapper (which makes a new
-``disable`` object on every call), made redundant by the patch's (``Internals.bare_hook``; the group closure as
-it is).
+where it ran FSDP's; inside the patch's entries, FSDP's hooks are called without FSDP's own wrapper (which makes a
+new ``disable`` object on every call), made redundant by the patch's (``Internals.bare_hook``; the group closures
+as they are).
 
 Invariant of :class:`Placement`: FSDP's hooks run exactly where and when they ran without the patch, each once
 per call; :meth:`Placement.remove` puts FSDP's entries back and leaves no hook of the patch on the module.
@@ -37,8 +37,8 @@ def eager(hook: Any) -> Any:
 class Placement:
     """The patch's entries in one module's hook dicts (see the module docstring for the invariant)."""
 
-    __slots__ = ("slots", "fsdp_entry", "fsdp_call", "fsdp_post", "hook", "post_hook", "exit_hook", "lead_hook",
-                 "lead", "exit_handle", "exit_dicts", "exit_on", "snapshot", "__weakref__")
+    __slots__ = ("slots", "fsdp_entry", "fsdp_call", "fsdp_post", "fsdp_post_call", "hook", "post_hook",
+                 "exit_hook", "lead_hook", "lead", "exit_handle", "exit_dicts", "exit_on", "snapshot", "__weakref__")
 
     def __init__(self, state: Any, slots: _compat.HookSlots) -> None:
         self.slots = slots
@@ -46,6 +46,8 @@ class Placement:
         #: What the patch's entry calls: FSDP's _pre_forward without FSDP's per-call dynamo-disable wrapper.
         self.fsdp_call = _compat.load().bare_hook(self.fsdp_entry, state)
         self.fsdp_post = slots.post_entry.get()  # FSDP's forward-hook entry, likewise
+        #: What the patch's forward-hook entry calls in a replay: FSDP's _post_forward, likewise bare.
+        self.fsdp_post_call = _compat.load().bare_hook(self.fsdp_post, state)
         #: Whether nn.Module.__call__ runs forward hooks from a snapshot (the exit hook may remove itself).
         self.snapshot = _compat.load().forward_hooks_snapshot
         self.hook: Any = None

@@ -140,13 +140,14 @@ class _Module:
 class _Cover:
     """The patch on one FSDP state: its modules' hooks, and FSDP's casts where this torch skips them."""
 
-    __slots__ = ("state", "owner", "pre_backward", "device_types", "may_move", "modules_of_state", "modules",
-                 "__weakref__")
+    __slots__ = ("state", "owner", "pre_backward", "torch_skips_casts", "device_types", "may_move",
+                 "modules_of_state", "modules", "__weakref__")
 
     def __init__(self, state: Any, slots: list[tuple[torch.nn.Module, _compat.HookSlots]], owner: str) -> None:
         self.state = state
         self.owner = owner
         self.pre_backward = _internals().pre_backward
+        self.torch_skips_casts = _internals().needs_cast_replay  # this torch's recompute skips FSDP's casts
         device_type = state._device.type
         self.device_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
         self.may_move = device_type in _MOVING_DEVICE_TYPES
@@ -155,7 +156,7 @@ class _Cover:
 
     def casts(self) -> bool:
         """Whether the patch casts in FSDP's place in ``PRE_BACKWARD``."""
-        return _internals().needs_cast_replay or _force
+        return self.torch_skips_casts or _force
 
     def remove(self) -> None:
         """Take the patch off every module of the state; FSDP's hooks are as they were."""

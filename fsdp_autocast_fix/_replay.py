@@ -43,29 +43,22 @@ _current_node = torch._C._current_autograd_node
 _is_autocast_cache_enabled = torch.is_autocast_cache_enabled
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
 _is_grad_enabled = torch.is_grad_enabled
+_capture_enabled = _autocast.capture_enabled
+_ALL_OFF = _autocast.ALL_OFF
 _tls = threading.local()
 
 #: The casts FSDP does for a module sharded alone: its inputs and its output, every call.
 ALL_CAST = (True, True)
 
 
-def frames() -> list[Frame]:
-    """This thread's recomputes in flight, outermost first (autograd may recompute on its own threads)."""
+def frames() -> list[Replay]:
+    """This thread's recomputes in flight, outermost first (autograd may recompute on its own threads): the
+    replays of the outermost covered modules being recomputed."""
     try:
         return _tls.frames  # type: ignore[no-any-return]
     except AttributeError:
         _tls.frames = []
         return _tls.frames  # type: ignore[no-any-return]
-
-
-class Frame:
-    """A recompute in flight on this thread: the outermost covered module being recomputed."""
-
-    __slots__ = ("module", "graph_task")
-
-    def __init__(self, module: torch.nn.Module, graph_task: int) -> None:
-        self.module = module
-        self.graph_task = graph_task
 
 
 class Region:
@@ -102,7 +95,8 @@ class Region:
 
     def start(self) -> None:
         """Make this the thread's current region (ending the hold of the one before)."""
-        release_region()
+        if getattr(_tls, "region", None) is not None:
+            release_region()
         _tls.region = self
         if self.entered is not None:
             held[0] += 1
@@ -144,13 +138,16 @@ def _end_of_backward(region: Region) -> None:
 
 
 class Replay:
-    """One recompute of a module: what FSDP's forward did that this torch skips, and what to undo after."""
+    """One recompute of a module: what FSDP's forward did that this torch skips, and what to undo after.
 
-    __slots__ = ("frame", "entered", "thread", "moved", "cast_in", "cast_out", "pre_pending")
+    ``graph_task``: the backward it runs in, where the module is the outermost covered module of the recompute
+    (the replay is then on this thread's :func:`frames` until it is undone), else None."""
 
-    def __init__(self, frame: Frame | None, entered: _autocast.Entered | None, moved: bool, cast_in: bool,
+    __slots__ = ("graph_task", "entered", "moved", "cast_in", "cast_out", "pre_pending")
+
+    def __init__(self, graph_task: int | None, entered: _autocast.Entered | None, moved: bool, cast_in: bool,
                  cast_out: bool) -> None:
-        self.frame, self.entered, self.thread = frame, entered, threading.get_ident()
+        self.graph_task, self.entered = graph_task, entered
         self.moved, self.cast_in, self.cast_out = moved, cast_in, cast_out
         self.pre_pending = moved or cast_in  # done right after FSDP's pre-hook, by the entry
 
@@ -183,15 +180,18 @@ class Replayer:
         cover = self.cover
         state = cover.state
         graph_task = _graph_task_id()
-        stack_of_frames = frames()
+        try:
+            stack_of_frames = _tls.frames
+        except AttributeError:
+            stack_of_frames = frames()
         if stack_of_frames and stack_of_frames[0].graph_task != graph_task:  # left by an earlier backward
             stack_of_frames.clear()
-        frame = entered = None
-        if not stack_of_frames:  # the outermost covered module of this recompute: the call it replays
-            chosen, entered = self._choose(module, tensors, _autocast.capture(cover.device_types))
+        entered = None
+        outermost = not stack_of_frames
+        if outermost:  # the outermost covered module of this recompute: the call it replays
+            now = _capture_enabled(cover.device_types) if _any_autocast_enabled() else _ALL_OFF
+            chosen, entered = self._choose(module, tensors, now)
             _report.count_recompute(self.name, entered is not None)
-            frame = Frame(module, graph_task)
-            stack_of_frames.append(frame)
         else:
             chosen = None  # inside a replayed module: it re-runs as in the forward
         if _any_autocast_enabled() and _is_autocast_cache_enabled():
@@ -209,9 +209,14 @@ class Replayer:
             cast_in, cast_out = cast_in and casts, cast_out and casts
         else:
             moved = cast_in = cast_out = False
-        if frame is None and not (moved or cast_in or cast_out):
-            return
-        self.replays.append(Replay(frame, entered, moved, cast_in, cast_out))
+        if not outermost:
+            if not (moved or cast_in or cast_out):
+                return
+            self.replays.append(Replay(None, entered, moved, cast_in, cast_out))
+        else:
+            replay = Replay(graph_task, entered, moved, cast_in, cast_out)
+            stack_of_frames.append(replay)
+            self.replays.append(replay)
         if cast_out:
             self.placement.swap_post(True)
         self.placement.register_exit(module)
@@ -226,15 +231,16 @@ class Replayer:
         changed: they restore the forward's autocast state at the region's start, and the region's code sets the
         rest as in the forward."""
         here = Region.here()
-        region = Region.current()
+        region = getattr(_tls, "region", None)
         calls = self.log.find(tensors)
-        if calls is None and region is not None and region.follows(here, now):
-            if region.entered is not None:
-                region.entered.resume()
-            return region.call[:1] + (False,) + self._casts_of(module), region.entered
-        release_region()
+        if region is not None:
+            if calls is None and region.follows(here, now):
+                if region.entered is not None:
+                    region.entered.resume()
+                return region.call[:1] + (False,) + self._casts_of(module), region.entered
+            release_region()
         if calls is not None:
-            chosen = self._pick(module, calls, now)
+            chosen = calls[0][0] if len(calls) == 1 else self._pick(module, calls, now)
         elif not tensors and self.log.unkeyed is not None:  # only parameters as tensors: the latest such call
             chosen = self.log.unkeyed
         else:
@@ -301,7 +307,7 @@ class Replayer:
 
     def post_forward(self, module: torch.nn.Module, input: Any, output: Any) -> Any:
         """In the place of FSDP's forward hook during a replay: FSDP's hook, then the output cast it did."""
-        output = self.placement.fsdp_post(module, input, output)
+        output = self.placement.fsdp_post_call(module, input, output)
         dtype = self.cover.state._mp_policy.output_dtype
         if dtype is None:
             return output
@@ -327,10 +333,10 @@ class Replayer:
     def _undo(self, replay: Replay) -> None:
         if replay.cast_out and not any(r.cast_out for r in self.replays):
             self.placement.swap_post(False)
-        if replay.frame is not None:
+        if replay.graph_task is not None:
             stack_of_frames = frames()
-            if replay.frame in stack_of_frames:
-                stack_of_frames.remove(replay.frame)
+            if replay in stack_of_frames:
+                stack_of_frames.remove(replay)
 
     def drop_stale(self) -> None:
         """Forget the replays an interrupt left behind (``KeyboardInterrupt`` skips ``always_call`` hooks).

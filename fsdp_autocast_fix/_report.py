@@ -20,7 +20,7 @@ from typing import Mapping
 ENV = "FSDP_AUTOCAST_FIX_REPORT"
 
 _lock = threading.Lock()
-_counts: Counter[tuple[str, str]] = Counter()  # (module class, field) -> count
+_counts: dict[tuple[str, str], int] = {}  # (module class, field) -> count (a plain dict: the cheapest to add to)
 _reasons: dict[str, set[str]] = {}  # module class -> why its recomputes could not be identified
 _armed = [False]
 
@@ -105,22 +105,26 @@ class Report(ModuleReport):
 
 def count(cls: str, what: str, n: int = 1) -> None:
     """Add ``n`` to ``what`` (a :class:`ModuleReport` field) for module class ``cls``."""
+    key = cls, what
     with _lock:
-        _counts[cls, what] += n
+        _counts[key] = _counts.get(key, 0) + n
 
 
 def count_recompute(cls: str, autocast_changed: bool) -> None:
     """A replayed recompute of a ``cls`` module (``autocast_changed``: the replay entered the call's state)."""
+    key = cls, "recomputes"
     with _lock:
-        _counts[cls, "recomputes"] += 1
+        _counts[key] = _counts.get(key, 0) + 1
         if autocast_changed:
-            _counts[cls, "autocast_changed"] += 1
+            key = cls, "autocast_changed"
+            _counts[key] = _counts.get(key, 0) + 1
 
 
 def unidentified(cls: str, reason: str) -> None:
     """A recompute of a ``cls`` module whose call was not identified, and why."""
+    key = cls, "unidentified"
     with _lock:
-        _counts[cls, "unidentified"] += 1
+        _counts[key] = _counts.get(key, 0) + 1
         _reasons.setdefault(cls, set()).add(reason)
 
 

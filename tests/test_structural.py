@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_autocast_fix
-from fsdp_autocast_fix import _compat
+from fsdp_autocast_fix import _compat, _patch
 
 pytestmark = pytest.mark.usefixtures("pg")
 
@@ -110,3 +110,28 @@ def test_fsdps_dynamo_wrapper_is_recognised_and_only_it_is_bypassed() -> None:
     closure = lambda module, args, kwargs: state._pre_forward(module, args, kwargs)  # noqa: E731 - a group's entry
     for hook in (other._pre_forward, closure, bare):
         assert internals.bare_hook(hook, state) is hook
+
+
+def test_the_replays_forward_hook_entry_calls_fsdps_post_forward_bare_and_gives_its_slot_back() -> None:
+    """In a replay the patch's forward-hook entry takes FSDP's slot and calls FSDP's ``_post_forward`` without
+    FSDP's per-call wrapper, as the pre-hook entry does; leaving the replay and removing the patch put FSDP's own
+    entry (the wrapped bound method) back in the slot."""
+    internals = _compat.load()
+    layer = fsdp_autocast_fix.patched_fully_shard(nn.Linear(4, 4))
+    state = internals.state_of(layer)
+    placement = _patch._covers[id(state)].modules[0].placement
+    fsdp_post = placement.fsdp_post
+    assert fsdp_post == state._post_forward and placement.slots.post_entry.get() is fsdp_post
+    wrapped = getattr(internals.fsdp_state_cls._post_forward, "__wrapped__", None)
+    if wrapped is None:  # a torch whose FSDP does not wrap its hooks: nothing to bypass
+        assert placement.fsdp_post_call == fsdp_post
+    else:
+        assert placement.fsdp_post_call.__self__ is state and placement.fsdp_post_call.__func__ is wrapped
+    placement.swap_post(True)
+    assert placement.slots.post_entry.get() is placement.post_hook
+    placement.swap_post(False)
+    assert placement.slots.post_entry.get() is fsdp_post
+    placement.swap_post(True)
+    _patch._covers.pop(id(state)).remove()
+    assert placement.slots.post_entry.get() is fsdp_post
+    assert list(layer._forward_hooks.values()).count(fsdp_post) == 1
