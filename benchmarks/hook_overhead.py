@@ -23,6 +23,7 @@ measured on the hooks directly, ``path`` (``ordinary``, ``ordinary-autocast``, `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fsdp_autocast_fix  # noqa: E402
-from fsdp_autocast_fix import _compat, _hooks, _patch  # noqa: E402
+from fsdp_autocast_fix import _compat, _hooks, _patch, _replay  # noqa: E402
 
 
 def _per_call_ns(module: nn.Module, x: torch.Tensor, calls: int) -> float:
@@ -94,9 +95,11 @@ def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str
 
     ``ordinary``: what runs before FSDP's pre-hook on an ordinary forward (the record), autocast off and on;
     ``recompute``: the start of a replayed recompute and its end (the exit hook), inside a backward pass with the
-    state in ``PRE_BACKWARD``, the checkpoint having restored the call's autocast state (``torch.utils.checkpoint``
-    does); ``recompute-entered``: the same where the patch enters the call's state (a checkpoint that does not
-    restore it)."""
+    state in ``PRE_BACKWARD``, each recompute in an autocast region of its own as ``torch.utils.checkpoint`` runs
+    it (the checkpoint restored the call's state; the region's own entry and exit, stock's too, are measured
+    apart and taken off); ``recompute-entered``: the same where the checkpoint does not restore the state and
+    the patch enters it, the backward running outside autocast (each recompute is then a region of the patch's
+    own, ended when the next one starts)."""
     cover = _patch._covers[id(_compat.load().state_of(module))]
     module_cover = cover.modules[0]
     replayer = module_cover.replayer
@@ -109,15 +112,23 @@ def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str
     def recomputes(samples: list[float], restored: bool) -> None:
         saved = cover.state._training_state
         cover.state._training_state = _compat.load().pre_backward
+        # restored: torch.utils.checkpoint's region per recompute; else none (the patch's region is the only one)
+        region: Any = torch.autocast("cpu", dtype=torch.bfloat16) if restored else contextlib.nullcontext()
         try:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=restored):
-                for _ in range(rounds):
-                    start = time.perf_counter_ns()
-                    for _ in range(calls):
+            for _ in range(rounds):
+                start = time.perf_counter_ns()
+                for _ in range(calls):
+                    with region:  # the checkpoint's own region: stock enters and leaves it too
+                        pass
+                baseline = time.perf_counter_ns() - start
+                start = time.perf_counter_ns()
+                for _ in range(calls):
+                    with region:
                         replayer.start(module, [x])
                         if replayer.replays:
                             replayer.exit(module, args, x)
-                    samples.append((time.perf_counter_ns() - start) / calls)
+                samples.append((time.perf_counter_ns() - start - baseline) / calls)
+            _replay.release_region()  # the last recompute's region (ended at the end of the backward otherwise)
         finally:
             cover.state._training_state = saved
 

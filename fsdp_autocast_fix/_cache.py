@@ -32,7 +32,6 @@ Autocast's cache belongs to the thread, and so does this bookkeeping.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from typing import Any
@@ -51,6 +50,7 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _pre_dispatch_modes = torch._ops._len_torch_dispatch_stack_pre_dispatch
 _push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_mm = torch.mm
 _tls = threading.local()
 #: How many threads hold hazards: the one thing an ordinary grad-enabled call reads when none does.
 active = [0]
@@ -126,8 +126,10 @@ def _sentinel_cast(device_types: tuple[str, ...]) -> Any:
     where it cannot be made (then the cache is assumed to hold them)."""
     if _is_inference_mode_enabled() or torch._C._is_torch_function_mode_enabled():
         return None  # a function mode would see the sentinel's op
-    device_type = next((d for d in device_types if _is_autocast_enabled(d)), None)
-    if device_type is None:
+    for device_type in device_types:
+        if _is_autocast_enabled(device_type):
+            break
+    else:
         return None
     source = _sentinels.get(device_type)
     if source is None:
@@ -139,17 +141,18 @@ def _sentinel_cast(device_types: tuple[str, ...]) -> Any:
     # patch's own takes them, so that what watches the region's ops does not see the sentinel's op (a
     # checkpoint's saved-tensor hooks, selective checkpointing's dispatch mode would count it as the region's).
     saved: list[torch.Tensor] = []
-    modes = (_disable_current_modes() if _dispatch_modes() or _pre_dispatch_modes()
-             else contextlib.nullcontext())
     grad = _is_grad_enabled()
     try:
         _push_saved_hooks(saved.append, _same)  # raises where saved-tensor hooks are disabled
     except RuntimeError:
         return None
     try:
-        with modes:
-            _set_grad_enabled(True)
-            torch.mm(source, source)
+        _set_grad_enabled(True)
+        if _dispatch_modes() or _pre_dispatch_modes():
+            with _disable_current_modes():
+                _mm(source, source)
+        else:
+            _mm(source, source)
     except Exception:  # a backend whose autocast does not cast mm, say: no sentinel
         return None
     finally:
