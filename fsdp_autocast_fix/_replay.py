@@ -209,14 +209,12 @@ class Replayer:
             cast_in, cast_out = cast_in and casts, cast_out and casts
         else:
             moved = cast_in = cast_out = False
-        if not outermost:
-            if not (moved or cast_in or cast_out):
-                return
-            self.replays.append(Replay(None, entered, moved, cast_in, cast_out))
-        else:
-            replay = Replay(graph_task, entered, moved, cast_in, cast_out)
+        if not outermost and not (moved or cast_in or cast_out):
+            return
+        replay = Replay(graph_task if outermost else None, entered, moved, cast_in, cast_out)
+        if outermost:
             stack_of_frames.append(replay)
-            self.replays.append(replay)
+        self.replays.append(replay)
         if cast_out:
             self.placement.swap_post(True)
         self.placement.register_exit(module)
