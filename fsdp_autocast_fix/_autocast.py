@@ -43,22 +43,16 @@ def _read(device_types: tuple[str, ...]) -> Any:
         _is_autocast_cache_enabled()
 
 
-def _write(state: Any, device_types: tuple[str, ...]) -> None:
-    per_device, cache_enabled = state
-    for device_type, (enabled, dtype) in zip(device_types, per_device):
-        torch.set_autocast_enabled(device_type, enabled)
-        torch.set_autocast_dtype(device_type, dtype)
-    torch.set_autocast_cache_enabled(cache_enabled)
-
-
-def _write_over(state: Any, current: Any, device_types: tuple[str, ...]) -> None:
-    """:func:`_write` of ``state`` where ``current`` was read just before: only what differs is set."""
-    for device_type, (enabled, dtype), (enabled_now, dtype_now) in zip(device_types, state[0], current[0]):
+def _write(state: Any, device_types: tuple[str, ...], current: Any = None) -> None:
+    """Set the autocast state ``state``; where ``current`` (the state read just before) is given, only what
+    differs from it."""
+    now = current[0] if current is not None else [(None, None)] * len(device_types)
+    for device_type, (enabled, dtype), (enabled_now, dtype_now) in zip(device_types, state[0], now):
         if enabled != enabled_now:
             torch.set_autocast_enabled(device_type, enabled)
         if dtype != dtype_now:
             torch.set_autocast_dtype(device_type, dtype)
-    if state[1] != current[1]:
+    if current is None or state[1] != current[1]:
         torch.set_autocast_cache_enabled(state[1])
 
 
@@ -82,7 +76,7 @@ class Entered:
         self.before = _read(device_types)
         for _ in device_types:
             torch.autocast_increment_nesting()
-        _write_over(captured, self.before, device_types)
+        _write(captured, device_types, self.before)
         self.active = True
 
     def pause(self) -> None:
@@ -95,7 +89,7 @@ class Entered:
         """Enter the state again over what is current now."""
         if not self.active:
             self.before = _read(self.device_types)
-            _write_over(self.state, self.before, self.device_types)
+            _write(self.state, self.device_types, self.before)
             self.active = True
 
     def release(self, restore: bool = False) -> None:

@@ -43,8 +43,6 @@ _current_node = torch._C._current_autograd_node
 _is_autocast_cache_enabled = torch.is_autocast_cache_enabled
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
 _is_grad_enabled = torch.is_grad_enabled
-_capture_enabled = _autocast.capture_enabled
-_ALL_OFF = _autocast.ALL_OFF
 _tls = threading.local()
 
 #: The casts FSDP does for a module sharded alone: its inputs and its output, every call.
@@ -95,8 +93,7 @@ class Region:
 
     def start(self) -> None:
         """Make this the thread's current region (ending the hold of the one before)."""
-        if getattr(_tls, "region", None) is not None:
-            release_region()
+        release_region()
         _tls.region = self
         if self.entered is not None:
             held[0] += 1
@@ -180,17 +177,13 @@ class Replayer:
         cover = self.cover
         state = cover.state
         graph_task = _graph_task_id()
-        try:
-            stack_of_frames = _tls.frames
-        except AttributeError:
-            stack_of_frames = frames()
+        stack_of_frames = frames()
         if stack_of_frames and stack_of_frames[0].graph_task != graph_task:  # left by an earlier backward
             stack_of_frames.clear()
         entered = None
         outermost = not stack_of_frames
         if outermost:  # the outermost covered module of this recompute: the call it replays
-            now = _capture_enabled(cover.device_types) if _any_autocast_enabled() else _ALL_OFF
-            chosen, entered = self._choose(module, tensors, now)
+            chosen, entered = self._choose(module, tensors, _autocast.capture(cover.device_types))
             _report.count_recompute(self.name, entered is not None)
         else:
             chosen = None  # inside a replayed module: it re-runs as in the forward
@@ -229,7 +222,7 @@ class Replayer:
         changed: they restore the forward's autocast state at the region's start, and the region's code sets the
         rest as in the forward."""
         here = Region.here()
-        region = getattr(_tls, "region", None)
+        region = Region.current()
         calls = self.log.find(tensors)
         if region is not None:
             if calls is None and region.follows(here, now):
