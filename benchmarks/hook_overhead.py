@@ -14,7 +14,7 @@ JSON keys: ``torch``, ``grad`` (``off``/``on``), ``autocast`` (``off``/``bf16``)
 ``stock_ns``, ``patched_ns``, ``fsdp_hook_ns`` (stock - unsharded), ``added_ns`` (median paired patched -
 stock), ``added_over_fsdp_hook`` (the target is <= 0.01), ``ratio`` (patched / stock); and for the paths
 measured on the hooks directly, ``path`` (``ordinary``, ``ordinary-autocast``, ``recompute``,
-``recompute-entered``, ``disable-wrapper``),
+``recompute-region``, ``recompute-entered``, ``disable-wrapper``),
 ``ns_per_call``, ``over_fsdp_hook``.
 
     python benchmarks/hook_overhead.py [--rounds 200] [--calls 200] [--json out.json] [--smoke]
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,6 +50,11 @@ def _per_call_ns(module: nn.Module, x: torch.Tensor, calls: int) -> float:
     for _ in range(calls):
         module(x.detach())
     return (time.perf_counter_ns() - start) / calls
+
+
+def _timer_ns() -> int:
+    start = time.perf_counter_ns()
+    return time.perf_counter_ns() - start
 
 
 def _paired(module: nn.Module, unsharded: nn.Module, x: torch.Tensor, rounds: int, calls: int) -> dict[str, float]:
@@ -94,12 +100,13 @@ def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str
     """The patch's own work per module call, called directly (FSDP's hooks not included).
 
     ``ordinary``: what runs before FSDP's pre-hook on an ordinary forward (the record), autocast off and on;
-    ``recompute``: the start of a replayed recompute and its end (the exit hook), inside a backward pass with the
-    state in ``PRE_BACKWARD``, each recompute in an autocast region of its own as ``torch.utils.checkpoint`` runs
-    it (the checkpoint restored the call's state; the region's own entry and exit, stock's too, are measured
-    apart and taken off); ``recompute-entered``: the same where the checkpoint does not restore the state and
-    the patch enters it, the backward running outside autocast (each recompute is then a region of the patch's
-    own, ended when the next one starts)."""
+    ``recompute``: the start of a replayed recompute and its end (the exit hook), with the state in
+    ``PRE_BACKWARD``, timed inside ``torch.utils.checkpoint``'s own recompute (non-reentrant, one per checkpoint,
+    the backward outside autocast); ``recompute-region``: the same inside a backward pass where a checkpoint of
+    another kind restores the call's state in an autocast region of its own per recompute (the region's own entry
+    and exit, stock's too, are measured apart and taken off); ``recompute-entered``: the same where the
+    checkpoint does not restore the state and the patch enters it (each recompute is then a region of the
+    patch's own, ended when the next one starts)."""
     cover = _patch._covers[id(_compat.load().state_of(module))]
     module_cover = cover.modules[0]
     replayer = module_cover.replayer
@@ -108,6 +115,30 @@ def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str
     results = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         module(x)  # the call the recomputes replay
+
+    def torch_checkpoint_recomputes(samples: list[float]) -> None:
+        # Each replay timed inside torch.utils.checkpoint's own recompute (non-reentrant), one per checkpoint.
+        timer = statistics.median(_timer_ns() for _ in range(1000))
+
+        def body(t: torch.Tensor) -> torch.Tensor:
+            if torch._C._current_graph_task_id() != -1:
+                start = time.perf_counter_ns()
+                replayer.start(module, [x])
+                if replayer.replays:
+                    replayer.exit(module, args, x)
+                samples.append(time.perf_counter_ns() - start - timer)
+            return t.sin()
+
+        saved = cover.state._training_state
+        cover.state._training_state = _compat.load().pre_backward
+        seed = torch.ones(1, requires_grad=True)
+        try:
+            for _ in range(rounds):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    outs = [torch.utils.checkpoint.checkpoint(body, seed, use_reentrant=False) for _ in range(calls)]
+                torch.stack(outs).sum().backward()
+        finally:
+            cover.state._training_state = saved
 
     def recomputes(samples: list[float], restored: bool) -> None:
         saved = cover.state._training_state
@@ -148,7 +179,10 @@ def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str
                     module_cover.begin(module, (x.detach(),), {})  # a fresh input each time
                 samples.append((time.perf_counter_ns() - start - baseline) / calls)
         results.append({"torch": torch.__version__, "path": path, "ns_per_call": statistics.median(samples)})
-    for path, restored in (("recompute", True), ("recompute-entered", False)):
+    samples = []
+    torch_checkpoint_recomputes(samples)
+    results.append({"torch": torch.__version__, "path": "recompute", "ns_per_call": statistics.median(samples)})
+    for path, restored in (("recompute-region", True), ("recompute-entered", False)):
         samples = []
         _in_backward(lambda: recomputes(samples, restored))  # noqa: B023 - run before the next iteration
         results.append({"torch": torch.__version__, "path": path, "ns_per_call": statistics.median(samples)})

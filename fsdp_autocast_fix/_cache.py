@@ -10,7 +10,10 @@ reduced the gradients. Two kinds of pass make such casts, and the patch sees bot
 * a covered module's call under ``no_grad`` (an eval pass, a reentrant checkpoint's forward): its casts are
   a hazard for that module's later grad-enabled calls;
 * a covered module's recompute in one backward (graph task): its casts are a hazard for the module's calls
-  outside that backward (a second backward with ``retain_graph``, the next forward in the same region).
+  outside that backward (a second backward with ``retain_graph``, the next forward in the same region), unless
+  they are dropped before this thread runs anything outside it: a recompute run by ``torch.utils.checkpoint``'s
+  non-reentrant mode inside its own autocast regions and no other (autocast's nesting count is theirs alone)
+  loses its casts when the checkpoint leaves them, so nothing is noted there (:func:`_dies_with_region`).
 
 Invariant: the patch drops the cache before a grad-enabled call of a covered module under autocast (ordinary or
 recomputed, or a function checkpointed through :func:`fsdp_autocast_fix.preserve_autocast`) exactly when such
@@ -39,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import _report
+from . import _autocast, _compat, _report
 
 _clear_autocast_cache = torch.clear_autocast_cache
 _is_autocast_enabled = torch.is_autocast_enabled
@@ -94,10 +97,23 @@ def note(state: Any, task: int, device_types: tuple[str, ...]) -> None:
         elif by_state.get(state) == -1:  # a no_grad hazard for this state, still cached: it outranks any other,
             return  # so nothing changes (an eval pass notes on every call: this is its path)
     if not by_state:
+        if task != -1 and _dies_with_region():
+            return
         active[0] += 1
         hazards.sentinel = _sentinel_cast(device_types)
     if task == -1 or by_state.get(state) != -1:  # a no_grad hazard outranks a recompute's
         by_state[state] = task
+
+
+def _dies_with_region() -> bool:
+    """Whether the casts a recompute makes now are dropped before this thread runs anything outside its backward.
+
+    So where ``torch.utils.checkpoint``'s non-reentrant recompute runs the call inside its own autocast regions
+    and no other region is open: leaving its outermost one takes autocast's nesting count to zero, which drops the
+    cache (``torch.autocast``'s exit), and the recompute's code runs inside those regions. (Where a region spans
+    the backward, the count is higher and the hazard is noted: the casts outlive the backward.)"""
+    depth = _autocast.nesting()
+    return depth <= 2 and _compat.torch_recompute_regions() == depth
 
 
 def check(state: Any, task: int, owner: str) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.utils.checkpoint
 
 __all__ = ["HookSlots", "Internals", "Slot", "UnsupportedTorchError", "group_casts", "hook_slots",
-           "in_torch_checkpoint", "load", "user_class_name"]
+           "in_torch_checkpoint", "load", "torch_recompute_regions", "user_class_name"]
 
 #: Import paths of composable FSDP, newest first (2.6+ public path, then 2.4/2.5).
 _FSDP_PACKAGES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
@@ -344,6 +344,47 @@ def in_torch_checkpoint() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _nested_code(function: Any, name: str) -> types.CodeType | None:
+    """The code object of the function ``name`` defined inside ``function`` (None if there is none)."""
+    code = getattr(function, "__code__", None)
+    found = [c for c in (code.co_consts if code is not None else ()) if isinstance(c, types.CodeType)
+             and c.co_name == name]
+    return found[0] if len(found) == 1 else None
+
+
+#: The code of the non-reentrant checkpoint's ``recompute_fn`` (None where torch reshaped it: no shortcut then).
+_RECOMPUTE_CODE = _nested_code(getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None),
+                               "recompute_fn")
+_CHECKPOINT_FILE = _RECOMPUTE_CODE.co_filename if _RECOMPUTE_CODE is not None else None
+_autocast_cls = torch.autocast
+#: How far up the stack :func:`torch_recompute_regions` looks: the covered module's call is a few frames below.
+_RECOMPUTE_DEPTH = 32
+
+
+def torch_recompute_regions() -> int | None:
+    """How many autocast regions ``torch.utils.checkpoint``'s non-reentrant recompute has open around the current
+    call (its device type's, where autocast has one, and CPU's), if that recompute is the innermost frame of
+    ``torch.utils.checkpoint`` within reach on this thread's stack; else None.
+
+    Its ``recompute_fn`` runs the checkpointed function inside those two ``torch.autocast`` blocks and nothing
+    else of the function's (what ``checkpoint_wrapper``, the composable ``checkpoint`` and selective
+    checkpointing run on too). Anything else of the checkpoint's module met first (a nested checkpoint's forward,
+    the reentrant mode), or none within reach: None."""
+    if _RECOMPUTE_CODE is None:
+        return None
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(_RECOMPUTE_DEPTH):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_filename == _CHECKPOINT_FILE:
+            if code is not _RECOMPUTE_CODE:
+                return None
+            return 1 + isinstance(frame.f_locals.get("device_autocast_ctx"), _autocast_cls)
+        frame = frame.f_back
+    return None
 
 
 def fsdp_package() -> Any:

@@ -42,7 +42,7 @@ def test_hook_overhead_smoke(tmp_path) -> None:
     results = json.loads(out.read_text())
     assert {r["grad"] for r in results if "grad" in r} == {"off", "on"}
     assert {r["path"] for r in results if "path" in r} == {"ordinary", "ordinary-autocast", "recompute",
-                                                             "recompute-entered", "disable-wrapper"}
+                                                             "recompute-region", "recompute-entered", "disable-wrapper"}
     for r in results:
         assert all(isinstance(v, (int, float, str)) for v in r.values())
 

@@ -400,3 +400,65 @@ def test_unsharded_parameters_around_a_sharded_block_keep_their_gradient_bits() 
     plain = run("stock", shard=False)
     for mode in ("stock",) + G.PATCHED_MODES[:1] + G.PATCHED_MODES[2:]:
         assert run(mode).verdict(plain) == "bitwise", mode
+
+
+def _recompute_hazards(mode: str, backward: str, monkeypatch: pytest.MonkeyPatch,
+                       use_checkpoint: bool = True) -> tuple[G.Result, int, bool]:
+    """Two sharded fp32 blocks under ``torch.utils.checkpoint`` (non-reentrant) and bf16 autocast, backwarded
+    ``outside`` the autocast region, ``inside`` it, or outside with a recompute context that opens an autocast
+    region of its own (``own_region``): the gradients, how many cast-cache sentinels were made, and whether a
+    hazard is left."""
+    from fsdp_autocast_fix import _cache
+
+    made = [0]
+    real = _cache._sentinel_cast
+
+    def counting(device_types: tuple[str, ...]) -> Any:
+        made[0] += 1
+        return real(device_types)
+
+    monkeypatch.setattr(_cache, "_sentinel_cast", counting)
+
+    def context_fn() -> tuple[Any, Any]:
+        import contextlib
+        return contextlib.nullcontext(), torch.autocast("cpu", dtype=G.BF16)
+
+    kwargs = {"context_fn": context_fn} if backward == "own_region" else {}
+    torch.manual_seed(0)
+    model = G.Stack([G.Block(), G.Block()])
+    with G._mode(mode) as fully_shard:
+        for unit in model.units:
+            fully_shard(unit, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
+        if mode == "late_apply":
+            fsdp_autocast_fix.apply()
+        x = torch.randn(4, G.DIM, requires_grad=True)
+        with torch.autocast("cpu", dtype=G.BF16):
+            h = x
+            for unit in model.units:
+                h = checkpoint(unit, h, use_reentrant=False, **kwargs) if use_checkpoint else unit(h)
+            loss = h.float().pow(2).sum()
+            if backward == "inside":
+                loss.backward()
+        if backward != "inside":
+            loss.backward()
+        left = _cache.tainted()
+        _cache._reset(_cache._hazards())
+    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in model.parameters()]), made[0], left
+
+
+@pytest.mark.parametrize("backward", ["outside", "inside", "own_region"])
+def test_a_torch_checkpoint_recompute_notes_its_casts_only_where_they_outlive_its_regions(
+        backward: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.utils.checkpoint``'s recompute runs in autocast regions of its own: where no other region is open
+    (the backward outside autocast), leaving them drops the casts, so the patch notes no hazard and makes no
+    sentinel; where one spans the backward, or the recompute's context opens another, it notes them as ever.
+    Gradients are the bits of the run without the checkpoint either way."""
+    truth, _, _ = _recompute_hazards("stock", backward, monkeypatch, use_checkpoint=False)
+    assert _recompute_hazards("stock", backward, monkeypatch)[0].verdict(truth) == "bitwise"
+    for mode in G.PATCHED_MODES:
+        result, sentinels, left = _recompute_hazards(mode, backward, monkeypatch)
+        assert result.verdict(truth) == "bitwise", mode
+        if backward == "outside":
+            assert (sentinels, left) == (0, False), mode
+        else:
+            assert sentinels >= 1 and left, mode

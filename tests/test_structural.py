@@ -6,6 +6,7 @@ Also: how "needs the cast replay" is decided, independent of the version string.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 import re
 
 import pytest
@@ -135,3 +136,28 @@ def test_the_replays_forward_hook_entry_calls_fsdps_post_forward_bare_and_gives_
     _patch._covers.pop(id(state)).remove()
     assert placement.slots.post_entry.get() is fsdp_post
     assert list(layer._forward_hooks.values()).count(fsdp_post) == 1
+
+
+def test_torch_checkpoints_recompute_and_its_autocast_regions_are_recognised() -> None:
+    """The cast-cache shortcut for ``torch.utils.checkpoint`` (``_cache._dies_with_region``) is in effect on this
+    torch: inside its non-reentrant recompute, ``torch_recompute_regions`` counts the autocast regions the recompute
+    opened (autocast's nesting count, outside any other region); in a checkpoint's forward, in the reentrant mode's
+    recompute and outside any checkpoint it is None (the hazard is then noted as ever)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from fsdp_autocast_fix import _autocast
+
+    seen: list[tuple[bool, Any, int]] = []
+
+    def body(t: torch.Tensor) -> torch.Tensor:
+        seen.append((torch._C._current_graph_task_id() != -1, _compat.torch_recompute_regions(), _autocast.nesting()))
+        return t.sin()
+
+    x = torch.ones(2, requires_grad=True)
+    checkpoint(body, x, use_reentrant=False).sum().backward()
+    checkpoint(body, x, use_reentrant=True).sum().backward()
+    assert seen == [(False, None, 0), (True, 2, 2), (False, None, 0), (True, None, 2)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        checkpoint(body, x, use_reentrant=False).sum().backward()
+    assert seen[-1] == (True, 2, 3)  # a region spans the backward: more open than the recompute's own
+    assert _compat.torch_recompute_regions() is None
