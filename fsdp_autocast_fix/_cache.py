@@ -11,9 +11,9 @@ reduced the gradients. Two kinds of pass make such casts, and the patch sees bot
   a hazard for that module's later grad-enabled calls;
 * a covered module's recompute in one backward (graph task): its casts are a hazard for the module's calls
   outside that backward (a second backward with ``retain_graph``, the next forward in the same region), unless
-  they are dropped before this thread runs anything outside it: a recompute run by ``torch.utils.checkpoint``'s
-  non-reentrant mode inside its own autocast regions and no other (autocast's nesting count is theirs alone)
-  loses its casts when the checkpoint leaves them, so nothing is noted there (:func:`_dies_with_region`).
+  they are dropped before this thread runs anything outside it: a recompute run by ``torch.utils.checkpoint``
+  (either mode) inside its own autocast regions and no other (autocast's nesting count is theirs alone) loses
+  its casts when the checkpoint leaves them, so nothing is noted there (:func:`_dies_with_region`).
 
 Invariant: the patch drops the cache before a grad-enabled call of a covered module under autocast (ordinary or
 recomputed, or a function checkpointed through :func:`fsdp_autocast_fix.preserve_autocast`) exactly when such
@@ -108,7 +108,7 @@ def note(state: Any, task: int, device_types: tuple[str, ...]) -> None:
 def _dies_with_region() -> bool:
     """Whether the casts a recompute makes now are dropped before this thread runs anything outside its backward.
 
-    So where ``torch.utils.checkpoint``'s non-reentrant recompute runs the call inside its own autocast regions
+    So where ``torch.utils.checkpoint``'s recompute (either mode) runs the call inside its own autocast regions
     and no other region is open: leaving its outermost one takes autocast's nesting count to zero, which drops the
     cache (``torch.autocast``'s exit), and the recompute's code runs inside those regions. (Where a region spans
     the backward, the count is higher and the hazard is noted: the casts outlive the backward.)"""

@@ -357,32 +357,38 @@ def _nested_code(function: Any, name: str) -> types.CodeType | None:
 #: The code of the non-reentrant checkpoint's ``recompute_fn`` (None where torch reshaped it: no shortcut then).
 _RECOMPUTE_CODE = _nested_code(getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None),
                                "recompute_fn")
-_CHECKPOINT_FILE = _RECOMPUTE_CODE.co_filename if _RECOMPUTE_CODE is not None else None
+#: The code of the reentrant checkpoint's backward, which recomputes (likewise).
+_REENTRANT_CODE = getattr(getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "backward", None),
+                          "__code__", None)
+_CHECKPOINT_FILE = next((c.co_filename for c in (_RECOMPUTE_CODE, _REENTRANT_CODE) if c is not None), None)
 _autocast_cls = torch.autocast
 #: How far up the stack :func:`torch_recompute_regions` looks: the covered module's call is a few frames below.
 _RECOMPUTE_DEPTH = 32
 
 
 def torch_recompute_regions() -> int | None:
-    """How many autocast regions ``torch.utils.checkpoint``'s non-reentrant recompute has open around the current
-    call (its device type's, where autocast has one, and CPU's), if that recompute is the innermost frame of
+    """How many autocast regions ``torch.utils.checkpoint``'s recompute has open around the current call (its
+    device type's, where autocast has one, and CPU's), if that recompute is the innermost frame of
     ``torch.utils.checkpoint`` within reach on this thread's stack; else None.
 
-    Its ``recompute_fn`` runs the checkpointed function inside those two ``torch.autocast`` blocks and nothing
-    else of the function's (what ``checkpoint_wrapper``, the composable ``checkpoint`` and selective
-    checkpointing run on too). Anything else of the checkpoint's module met first (a nested checkpoint's forward,
-    the reentrant mode), or none within reach: None."""
-    if _RECOMPUTE_CODE is None:
-        return None
+    Both modes run the checkpointed function inside those two ``torch.autocast`` blocks: the non-reentrant
+    ``recompute_fn`` (what ``checkpoint_wrapper``, the composable ``checkpoint`` and selective checkpointing run on
+    too) and the reentrant ``CheckpointFunction.backward`` while it has no ``outputs`` yet (after them it runs a
+    backward of its own, outside the blocks). Anything else of the checkpoint's module met first (a nested
+    checkpoint's forward), or none within reach: None."""
     frame: types.FrameType | None = sys._getframe(1)
     for _ in range(_RECOMPUTE_DEPTH):
         if frame is None:
             return None
         code = frame.f_code
         if code.co_filename == _CHECKPOINT_FILE:
-            if code is not _RECOMPUTE_CODE:
+            if code is _RECOMPUTE_CODE:
+                names = frame.f_locals
+            elif code is _REENTRANT_CODE and "outputs" not in (names := frame.f_locals):
+                pass
+            else:
                 return None
-            return 1 + isinstance(frame.f_locals.get("device_autocast_ctx"), _autocast_cls)
+            return 1 + isinstance(names.get("device_autocast_ctx"), _autocast_cls)
         frame = frame.f_back
     return None
 

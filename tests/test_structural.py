@@ -140,9 +140,10 @@ def test_the_replays_forward_hook_entry_calls_fsdps_post_forward_bare_and_gives_
 
 def test_torch_checkpoints_recompute_and_its_autocast_regions_are_recognised() -> None:
     """The cast-cache shortcut for ``torch.utils.checkpoint`` (``_cache._dies_with_region``) is in effect on this
-    torch: inside its non-reentrant recompute, ``torch_recompute_regions`` counts the autocast regions the recompute
-    opened (autocast's nesting count, outside any other region); in a checkpoint's forward, in the reentrant mode's
-    recompute and outside any checkpoint it is None (the hazard is then noted as ever)."""
+    torch: inside its recompute, in either mode, ``torch_recompute_regions`` counts the autocast regions the
+    recompute opened (autocast's nesting count, outside any other region); in a checkpoint's forward, in the
+    backward the reentrant mode runs after its recompute and outside any checkpoint it is None (the hazard is then
+    noted as ever)."""
     from torch.utils.checkpoint import checkpoint
 
     from fsdp_autocast_fix import _autocast
@@ -153,10 +154,19 @@ def test_torch_checkpoints_recompute_and_its_autocast_regions_are_recognised() -
         seen.append((torch._C._current_graph_task_id() != -1, _compat.torch_recompute_regions(), _autocast.nesting()))
         return t.sin()
 
+    def in_the_reentrant_backward(grad: torch.Tensor) -> None:
+        seen.append((True, _compat.torch_recompute_regions(), _autocast.nesting()))
+
+    def reentrant_body(t: torch.Tensor) -> torch.Tensor:
+        out = body(t)
+        if torch.is_grad_enabled():  # the recompute: the hook runs in the checkpoint's own backward, after it
+            out.register_hook(in_the_reentrant_backward)
+        return out
+
     x = torch.ones(2, requires_grad=True)
     checkpoint(body, x, use_reentrant=False).sum().backward()
-    checkpoint(body, x, use_reentrant=True).sum().backward()
-    assert seen == [(False, None, 0), (True, 2, 2), (False, None, 0), (True, None, 2)]
+    checkpoint(reentrant_body, x, use_reentrant=True).sum().backward()
+    assert seen == [(False, None, 0), (True, 2, 2), (False, None, 0), (True, 2, 2), (True, None, 0)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         checkpoint(body, x, use_reentrant=False).sum().backward()
     assert seen[-1] == (True, 2, 3)  # a region spans the backward: more open than the recompute's own
