@@ -30,11 +30,14 @@ Two forward passes of one module in one autocast region backwarded separately wi
 to torch: no pass of the patch's runs between them, and whether they will be backwarded together (then sharing
 is exact) is not known at the second forward.
 
-Autocast's cache belongs to the thread, and so does this bookkeeping.
+Autocast's cache is the process's (a region's end on any thread empties it) and its nesting count the thread's;
+this bookkeeping is the thread's, so a hazard noted on one thread is not seen by another thread's calls (where
+autograd recomputes on a device thread of its own: see docs/how-it-works.md).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any
@@ -68,13 +71,17 @@ def _same(t: Any) -> Any:
 
 class _Hazards:
     """This thread's hazards since the last drop: FSDP state key -> the graph task that made the casts (-1: a
-    ``no_grad`` call, a hazard for every later grad-enabled call), and the sentinel cast of the cache then."""
+    ``no_grad`` call, a hazard for every later grad-enabled call), and the sentinel cast of the cache then; and
+    the recomputes whose hazards were not noted because their casts die with the checkpoint's regions (state key
+    -> graph task and device types), until the end of their backward tells (:func:`_verify`)."""
 
-    __slots__ = ("by_state", "sentinel")
+    __slots__ = ("by_state", "sentinel", "skipped", "verifying")
 
     def __init__(self) -> None:
         self.by_state: dict[Any, int] = {}
         self.sentinel: Any = None
+        self.skipped: dict[Any, tuple[int, tuple[str, ...]]] = {}
+        self.verifying: int | None = None  # the graph task whose end verifies ``skipped``
 
 
 def _hazards() -> _Hazards:
@@ -85,9 +92,10 @@ def _hazards() -> _Hazards:
         return _tls.hazards  # type: ignore[no-any-return]
 
 
-def note(state: Any, task: int, device_types: tuple[str, ...]) -> None:
+def note(state: Any, task: int, device_types: tuple[str, ...], shortcut: bool = True) -> None:
     """A covered call of ``state`` under autocast with the cache on made casts that are a hazard: under
-    ``no_grad`` (``task`` -1), or in the recompute of graph task ``task``."""
+    ``no_grad`` (``task`` -1), or in the recompute of graph task ``task`` (``shortcut``: unless they die with
+    the checkpoint's regions)."""
     hazards = _hazards()
     by_state = hazards.by_state
     if by_state:
@@ -97,7 +105,8 @@ def note(state: Any, task: int, device_types: tuple[str, ...]) -> None:
         elif by_state.get(state) == -1:  # a no_grad hazard for this state, still cached: it outranks any other,
             return  # so nothing changes (an eval pass notes on every call: this is its path)
     if not by_state:
-        if task != -1 and _dies_with_region():
+        if shortcut and task != -1 and _dies_with_region():
+            _skip(hazards, state, task, device_types)
             return
         active[0] += 1
         hazards.sentinel = _sentinel_cast(device_types)
@@ -114,6 +123,28 @@ def _dies_with_region() -> bool:
     the backward, the count is higher and the hazard is noted: the casts outlive the backward.)"""
     depth = _autocast.nesting()
     return depth <= 2 and _compat.torch_recompute_regions() == depth
+
+
+def _skip(hazards: _Hazards, state: Any, task: int, device_types: tuple[str, ...]) -> None:
+    """Leave a recompute's hazard unnoted (:func:`_dies_with_region`), to be verified at the end of its backward."""
+    hazards.skipped[state] = (task, device_types)
+    if hazards.verifying != task:
+        hazards.verifying = task
+        _compat.load().queue_backward_callback(functools.partial(_verify, hazards, threading.get_ident()))
+
+
+def _verify(hazards: _Hazards, thread: int) -> None:
+    """The end of a backward whose recomputes' hazards were skipped: where autocast's nesting count is not back at
+    zero on their thread, a region opened in a recompute was left open (an early stop skipping the hook that
+    leaves it, say), so the cache was not emptied and still holds their casts: note them now. (On another thread
+    the count cannot be read; the skip stands.)"""
+    skipped = dict(hazards.skipped)
+    hazards.skipped.clear()
+    hazards.verifying = None
+    if threading.get_ident() != thread or _autocast.nesting() == 0:
+        return
+    for state, (task, device_types) in skipped.items():
+        note(state, task, device_types, shortcut=False)
 
 
 def check(state: Any, task: int, owner: str) -> None:

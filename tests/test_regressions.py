@@ -469,3 +469,50 @@ def test_a_torch_checkpoint_recompute_notes_its_casts_only_where_they_outlive_it
             assert (sentinels, left) == (0, False), mode
         else:
             assert sentinels >= 1 and left, mode
+
+
+def _leaky_region_steps(mode: str, use_checkpoint: bool = True) -> G.Result:
+    """Two steps of ``block(lin(unit(x)))`` with ``lin(unit(.))`` checkpointed (non-reentrant, early stop) and the
+    backward outside autocast, where ``lin`` enters an autocast region in a forward pre-hook and leaves it in a
+    forward hook: the recompute's early stop skips that hook, so the region stays open after the checkpoint's."""
+    torch.manual_seed(0)
+    unit, block, lin = G.Block(), G.Block(), nn.Linear(G.DIM, G.DIM)
+    regions: list[Any] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        regions.append(torch.autocast("cpu", dtype=G.BF16))
+        regions[-1].__enter__()
+
+    def leave(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        regions.pop().__exit__(None, None, None)
+
+    lin.register_forward_pre_hook(enter)
+    lin.register_forward_hook(leave)
+    with G._mode(mode) as fully_shard:
+        for sharded in (unit, block):
+            fully_shard(sharded, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
+        if mode == "late_apply":
+            fsdp_autocast_fix.apply()
+        xs = [torch.randn(4, G.DIM, requires_grad=True) for _ in range(2)]
+        try:
+            for x in xs:
+                with torch.autocast("cpu", dtype=G.BF16):
+                    h = checkpoint(lambda t: lin(unit(t)), x, use_reentrant=False) if use_checkpoint else lin(unit(x))
+                    loss = block(h).float().pow(2).sum()
+                loss.backward()
+        finally:
+            while regions:
+                regions.pop().__exit__(None, None, None)
+    return G.Result(grads=[G._full(x.grad) for x in xs] + [G._full(p.grad) for p in (*unit.parameters(),
+                                                                                      *block.parameters())])
+
+
+def test_a_region_left_open_in_a_recompute_keeps_its_casts_noted() -> None:
+    """The shortcut for torch's checkpoint (no hazard noted where its regions are the only ones open) is checked
+    at the end of the backward: a region a recompute left open (a hook's, skipped by the checkpoint's early stop)
+    keeps autocast's nesting count above zero, so the cache was not emptied and the recompute's casts are noted
+    then; the next step's forward does not reuse them."""
+    truth = _leaky_region_steps("stock", use_checkpoint=False)
+    assert _leaky_region_steps("stock").verdict(truth) != "bitwise"  # positive control: the casts reused
+    for mode in G.PATCHED_MODES:
+        assert _leaky_region_steps(mode).verdict(truth) == "bitwise", mode
