@@ -13,7 +13,9 @@ reduced the gradients. Two kinds of pass make such casts, and the patch sees bot
   outside that backward (a second backward with ``retain_graph``, the next forward in the same region), unless
   they are dropped before this thread runs anything outside it: a recompute run by ``torch.utils.checkpoint``
   (either mode) inside its own autocast regions and no other (autocast's nesting count is theirs alone) loses
-  its casts when the checkpoint leaves them, so nothing is noted there (:func:`_dies_with_region`).
+  its casts when the checkpoint leaves them, so nothing is noted there (:func:`_dies_with_region`), unless the
+  end of that backward finds the nesting count above zero on the thread (a region the recompute left open):
+  then they are noted (:func:`_verify`).
 
 Invariant: the patch drops the cache before a grad-enabled call of a covered module under autocast (ordinary or
 recomputed, or a function checkpointed through :func:`fsdp_autocast_fix.preserve_autocast`) exactly when such
@@ -24,7 +26,8 @@ model) share their casts as plain autocast shares them. Whether the cache still 
 told by a sentinel: when the first hazard is noted, a one-element cast of the patch's own is cached beside
 them, held by a weak reference; it is alive exactly as long as autocast's cache holds it, so it dies with the
 region end that clears the cache (a backward outside autocast ends the forward's region: nothing is at stake
-then, and nothing is dropped).
+then, and nothing is dropped). A hazard noted at the end of a backward (:func:`_verify`) gets no sentinel
+where autocast is off then: the cache is assumed to hold its casts, and the next call it applies to drops it.
 
 Two forward passes of one module in one autocast region backwarded separately without a checkpoint are left
 to torch: no pass of the patch's runs between them, and whether they will be backwarded together (then sharing
@@ -73,7 +76,8 @@ class _Hazards:
     """This thread's hazards since the last drop: FSDP state key -> the graph task that made the casts (-1: a
     ``no_grad`` call, a hazard for every later grad-enabled call), and the sentinel cast of the cache then; and
     the recomputes whose hazards were not noted because their casts die with the checkpoint's regions (state key
-    -> graph task and device types), until the end of their backward tells (:func:`_verify`)."""
+    -> graph task and device types), until the end of their backward tells (:func:`_verify`; after a backward
+    that raised, the end of the next one that skips)."""
 
     __slots__ = ("by_state", "sentinel", "skipped", "verifying")
 
@@ -115,7 +119,8 @@ def note(state: Any, task: int, device_types: tuple[str, ...], shortcut: bool = 
 
 
 def _dies_with_region() -> bool:
-    """Whether the casts a recompute makes now are dropped before this thread runs anything outside its backward.
+    """Whether the casts a recompute makes now will be dropped before this thread runs anything outside its
+    backward (checked at its end by :func:`_verify`).
 
     So where ``torch.utils.checkpoint``'s recompute (either mode) runs the call inside its own autocast regions
     and no other region is open: leaving its outermost one takes autocast's nesting count to zero, which drops the
@@ -136,8 +141,8 @@ def _skip(hazards: _Hazards, state: Any, task: int, device_types: tuple[str, ...
 def _verify(hazards: _Hazards, thread: int) -> None:
     """The end of a backward whose recomputes' hazards were skipped: where autocast's nesting count is not back at
     zero on their thread, a region opened in a recompute was left open (an early stop skipping the hook that
-    leaves it, say), so the cache was not emptied and still holds their casts: note them now. (On another thread
-    the count cannot be read; the skip stands.)"""
+    leaves it, say), so the cache was not emptied by it and may still hold their casts: note them now. (On
+    another thread the count cannot be read; the skip stands.)"""
     skipped = dict(hazards.skipped)
     hazards.skipped.clear()
     hazards.verifying = None

@@ -494,15 +494,19 @@ def _leaky_region_steps(mode: str, use_checkpoint: bool = True) -> G.Result:
         if mode == "late_apply":
             fsdp_autocast_fix.apply()
         xs = [torch.randn(4, G.DIM, requires_grad=True) for _ in range(2)]
+        before = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled()
         try:
             for x in xs:
                 with torch.autocast("cpu", dtype=G.BF16):
                     h = checkpoint(lambda t: lin(unit(t)), x, use_reentrant=False) if use_checkpoint else lin(unit(x))
                     loss = block(h).float().pow(2).sum()
                 loss.backward()
-        finally:
+        finally:  # a leaked region's exit puts back the state it was entered in, the recompute's: undo that too
             while regions:
                 regions.pop().__exit__(None, None, None)
+            torch.set_autocast_enabled("cpu", before[0])
+            torch.set_autocast_dtype("cpu", before[1])
+            torch.set_autocast_cache_enabled(before[2])
     return G.Result(grads=[G._full(x.grad) for x in xs] + [G._full(p.grad) for p in (*unit.parameters(),
                                                                                       *block.parameters())])
 
