@@ -122,7 +122,7 @@ def _dies_with_region() -> bool:
     """Whether the casts a recompute makes now will be dropped before this thread runs anything outside its
     backward (checked at its end by :func:`_verify`).
 
-    So where ``torch.utils.checkpoint``'s recompute (either mode) runs the call inside its own autocast regions
+    True where ``torch.utils.checkpoint``'s recompute (either mode) runs the call inside its own autocast regions
     and no other region is open: leaving its outermost one takes autocast's nesting count to zero, which drops the
     cache (``torch.autocast``'s exit), and the recompute's code runs inside those regions. (Where a region spans
     the backward, the count is higher and the hazard is noted: the casts outlive the backward.)"""
