@@ -36,15 +36,16 @@ def _grads(mesh: Any, mode: str) -> Any:
 
 def worker(rank: int, world: int, port: int, out_path: str) -> None:
     """One of 4 ranks: reference, stock and patched on a (2, 2) mesh; rank 0 saves the three results."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+    from ranks import spawned_group
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        result: dict[str, Any] = {mode: _grads(mesh, mode) for mode in ("reference", "stock", "patched")}
-        result["mesh_ndim"] = mesh.ndim
-    except Exception:
-        result = {"crash": traceback.format_exc()}
-    if rank == 0:
-        torch.save(result, out_path)
-    dist.destroy_process_group()
+    with spawned_group(rank, world, port):
+        try:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            result: dict[str, Any] = {mode: _grads(mesh, mode) for mode in ("reference", "stock", "patched")}
+            result["mesh_ndim"] = mesh.ndim
+        except Exception:
+            result = {"crash": traceback.format_exc()}
+        if rank == 0:
+            torch.save(result, out_path)

@@ -10,7 +10,6 @@ import traceback
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
@@ -44,30 +43,31 @@ def _step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
 
 def worker(rank: int, world_size: int, port: int, patch: bool, out_path: str) -> None:
     """One rank: FSDP1 and fully_shard (patched with ``patched_fully_shard`` or stock) on the same input."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import MixedPrecision
+    from ranks import spawned_group
 
-        import fsdp_autocast_fix
-        from fsdp_autocast_fix import _compat
+    with spawned_group(rank, world_size, port):
+        try:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp import MixedPrecision
 
-        fsdp2 = _compat.fsdp_package()
-        torch.manual_seed(0)
-        x = torch.randn(8, DIM)
-        bf16 = torch.bfloat16
-        inner1 = CheckpointedModule()
-        inner2 = CheckpointedModule()
-        inner2.load_state_dict(inner1.state_dict())
-        fsdp1_model = FSDP(inner1, mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16,
-                                                                  buffer_dtype=bf16),
-                           device_id=torch.device("cpu"))
-        shard = fsdp_autocast_fix.patched_fully_shard if patch else fsdp2.fully_shard
-        shard(inner2, mp_policy=fsdp2.MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16))
-        result = {"fsdp1": _step(fsdp1_model, x), "fully_shard": _step(inner2, x),
-                  "fsdp1_dtypes": inner1.seen, "fully_shard_dtypes": inner2.seen}
-    except Exception:
-        result = {"crash": traceback.format_exc()}
-    if rank == 0:
-        torch.save(result, out_path)
-    dist.destroy_process_group()
+            import fsdp_autocast_fix
+            from fsdp_autocast_fix import _compat
+
+            fsdp2 = _compat.fsdp_package()
+            torch.manual_seed(0)
+            x = torch.randn(8, DIM)
+            bf16 = torch.bfloat16
+            inner1 = CheckpointedModule()
+            inner2 = CheckpointedModule()
+            inner2.load_state_dict(inner1.state_dict())
+            fsdp1_model = FSDP(inner1, mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16,
+                                                                      buffer_dtype=bf16),
+                               device_id=torch.device("cpu"))
+            shard = fsdp_autocast_fix.patched_fully_shard if patch else fsdp2.fully_shard
+            shard(inner2, mp_policy=fsdp2.MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16))
+            result = {"fsdp1": _step(fsdp1_model, x), "fully_shard": _step(inner2, x),
+                      "fsdp1_dtypes": inner1.seen, "fully_shard_dtypes": inner2.seen}
+        except Exception:
+            result = {"crash": traceback.format_exc()}
+        if rank == 0:
+            torch.save(result, out_path)

@@ -90,13 +90,12 @@ def worker(rank: int, world_size: int, port: int, sharding: str, reshard: bool, 
     gloo's ``reduce_scatter_tensor`` averages for ``ReduceOp.AVG`` in this torch."""
     global STEPS
     STEPS = steps
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
+    from ranks import spawned_group
+
+    with spawned_group(rank, world_size, port):
         out = torch.empty(1)
         dist.reduce_scatter_tensor(out, torch.full((world_size,), float(rank + 1)), op=dist.ReduceOp.AVG)
         result = run(sharding, world_size, rank, reshard)
         result["gloo_averages"] = out.item() != sum(range(1, world_size + 1))
         if rank == 0:
             torch.save(result, out_path)
-    finally:
-        dist.destroy_process_group()
