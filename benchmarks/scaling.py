@@ -5,14 +5,17 @@ under CPU autocast bf16, each layer checkpointed by torch's non-reentrant ``chec
 the very input back) or by a hand-written reentrant-style ``autograd.Function`` that restores autocast (it
 gets a ``detach()``: the patch's other lookup). A step runs ``K`` forwards before their ``K`` backwards, as a
 pipeline schedule keeps micro-batches in flight; ``E`` inputs of ``no_grad`` eval forwards are kept alive (their
-records stay in every layer). Each round runs a stock step and a patched step (``apply()`` before it,
-``remove()`` after it, outside the time) in alternating order; the ratio is the median over rounds of each
-round's patched / stock. The target: at 64 micro-batches in flight within 2 % of its value at 1, flat in layers.
+records stay in every layer). Every configuration is built at once and each round times each of them stock and
+patched (``apply()`` before, ``remove()`` after, outside the time; the order alternating by round), each timing
+enough steps for about 0.15 s. ``ratio``: the median over rounds of the round's patched / stock. ``growth``: the
+median over rounds of the round's ratio over its base configuration's ratio in the same round (8 layers and 1
+micro-batch; for eval inputs, the same configuration without them), so a slow phase of the machine, which moves
+both, cancels. The target: growth at 64 micro-batches in flight within 2 % (at most 1.02), flat in layers.
 
-JSON: a list of ``{"torch", "checkpoint", "layers", "micro_batches", "evals_alive", "rounds", "stock_ms",
-"patched_ms", "ratio"}``.
+JSON: a list of ``{"torch", "checkpoint", "layers", "micro_batches", "evals_alive", "rounds", "steps_per_timing",
+"base", "stock_ms", "patched_ms", "ratio", "growth", "growth_quartiles"}``.
 
-    python benchmarks/scaling.py [--rounds 15] [--json out.json] [--smoke]
+    python benchmarks/scaling.py [--rounds 40] [--json out.json] [--smoke]
 """
 
 from __future__ import annotations
@@ -100,55 +103,107 @@ def _build(layers: int, kind: str) -> Model:
     return model
 
 
-def _step(model: Model, inputs: list[torch.Tensor]) -> float:
-    start = time.perf_counter()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        outs = [model(x) for x in inputs]
-    for out in outs:
-        out.float().sum().backward()
-    return time.perf_counter() - start
+class _Config:
+    """One configuration of a kind: its model, its inputs in flight, its eval inputs, and how many steps one
+    timing runs (enough for about ``MIN_TIMING_S``, so a millisecond step is not timed alone)."""
+
+    def __init__(self, kind: str, layers: int, micro_batches: int, evals_alive: int) -> None:
+        self.key = (layers, micro_batches, evals_alive)
+        self.model = _build(layers, kind)
+        gen = torch.Generator().manual_seed(1)
+        self.inputs = [torch.randn(2, DIM, generator=gen, requires_grad=True) for _ in range(micro_batches)]
+        self.evals = [torch.randn(2, DIM, generator=gen) for _ in range(evals_alive)]
+        self.steps = 1
+
+    def time(self, patched: bool) -> float:
+        """Seconds per step of ``self.steps`` steps, patched or stock; the eval forwards (their inputs stay alive,
+        so their records do) and clearing the gradients are outside the time."""
+        if patched:
+            fsdp_autocast_fix.apply()
+        self.model.checkpointed = False
+        with torch.no_grad():
+            for e in self.evals:
+                self.model(e)
+        self.model.checkpointed = True
+        total = 0.0
+        for _ in range(self.steps):
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outs = [self.model(x) for x in self.inputs]
+            for out in outs:
+                out.float().sum().backward()
+            total += time.perf_counter() - start
+            self.model.zero_grad(set_to_none=True)
+            for x in self.inputs:
+                x.grad = None
+        fsdp_autocast_fix.remove()
+        return total / self.steps
 
 
-def measure(kind: str, layers: int, micro_batches: int, evals_alive: int, rounds: int) -> dict[str, Any]:
-    """One configuration: stock and patched steps alternated; medians and the median per-round ratio."""
-    model = _build(layers, kind)
-    gen = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(2, DIM, generator=gen, requires_grad=True) for _ in range(micro_batches)]
-    evals = [torch.randn(2, DIM, generator=gen) for _ in range(evals_alive)]
-    times: dict[str, list[float]] = {"stock": [], "patched": []}
-    ratios = []
-    for i in range(rounds + 1):  # round 0 warms up
-        pair = {}
-        for variant in (("stock", "patched") if i % 2 else ("patched", "stock")):
-            if variant == "patched":
-                fsdp_autocast_fix.apply()
-            model.checkpointed = False
-            with torch.no_grad():
-                for e in evals:  # the eval forwards whose inputs stay alive
-                    model(e)
-            model.checkpointed = True
-            pair[variant] = _step(model, inputs)
-            fsdp_autocast_fix.remove()
-            model.zero_grad(set_to_none=True)
+def _base(key: tuple[int, int, int], first: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The configuration a growth is measured against: the same one without eval inputs alive, or the first
+    (the fewest layers, 1 micro-batch in flight)."""
+    layers, micro_batches, evals_alive = key
+    return (layers, micro_batches, 0) if evals_alive else first
+
+
+MIN_TIMING_S = 0.15
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    """The first and third quartiles: how far the rounds spread around the median (both the value itself with
+    one round)."""
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return [q1, q3]
+
+
+def measure(kind: str, configs: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any]]:
+    """Every configuration of one checkpoint kind, side by side: each round times each configuration stock and
+    patched (the order alternating by round), so a slow phase of the machine hits a configuration and its base
+    in the same round. Per configuration: the median step times, the median of the rounds' patched / stock, and
+    the growth: the median of the rounds' (patched / stock) / (its base's patched / stock in that round)."""
+    cells = [_Config(kind, *key) for key in configs]
+    per_round: list[dict[tuple[int, int, int], tuple[float, float]]] = []
+    for i in range(rounds + 1):  # round 0 warms up and sets each configuration's steps per timing
+        pairs = {}
+        for cell in cells:
+            order = (False, True) if i % 2 else (True, False)
+            t = {patched: cell.time(patched) for patched in order}
+            pairs[cell.key] = (t[False], t[True])
+            if i == 0:
+                cell.steps = max(1, round(MIN_TIMING_S / t[False]))
         if i:
-            for variant, t in pair.items():
-                times[variant].append(t)
-            ratios.append(pair["patched"] / pair["stock"])
-    return {"torch": torch.__version__, "checkpoint": kind, "layers": layers, "micro_batches": micro_batches,
-            "evals_alive": evals_alive, "rounds": rounds,
-            "stock_ms": statistics.median(times["stock"]) * 1e3,
-            "patched_ms": statistics.median(times["patched"]) * 1e3, "ratio": statistics.median(ratios)}
+            per_round.append(pairs)
+    results = []
+    for cell in cells:
+        stock = [r[cell.key][0] for r in per_round]
+        patched = [r[cell.key][1] for r in per_round]
+        ratios = [p / s for s, p in zip(stock, patched)]
+        base = _base(cell.key, configs[0])
+        growth = [(r[cell.key][1] / r[cell.key][0]) / (r[base][1] / r[base][0]) for r in per_round] \
+            if base in {c.key for c in cells} else [float("nan")]
+        layers, micro_batches, evals_alive = cell.key
+        results.append({"torch": torch.__version__, "checkpoint": kind, "layers": layers,
+                        "micro_batches": micro_batches, "evals_alive": evals_alive, "rounds": rounds,
+                        "steps_per_timing": cell.steps, "base": list(base),
+                        "stock_ms": statistics.median(stock) * 1e3, "patched_ms": statistics.median(patched) * 1e3,
+                        "ratio": statistics.median(ratios), "growth": statistics.median(growth),
+                        "growth_quartiles": _quartiles(growth)})
+    return results
 
 
-#: (layers, micro-batches in flight, eval inputs alive): the growth in each dimension from one base point.
-CONFIGS = [(8, 1, 0), (8, 4, 0), (8, 16, 0), (8, 64, 0), (64, 1, 0), (64, 16, 0), (8, 16, 64)]
-SMOKE_CONFIGS = [(2, 1, 0), (2, 3, 2)]
+#: (layers, micro-batches in flight, eval inputs alive): the growth in each dimension from one base point
+#: (the first), eval inputs from the same configuration without them.
+CONFIGS = [(8, 1, 0), (8, 4, 0), (8, 16, 0), (8, 64, 0), (64, 1, 0), (8, 16, 64)]
+SMOKE_CONFIGS = [(2, 1, 0), (2, 3, 0), (2, 3, 2)]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Measure every configuration for both checkpoints; print a markdown table (and write JSON)."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--json")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
@@ -159,17 +214,20 @@ def main(argv: list[str] | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    results = [measure(kind, *config, rounds) for kind in ("torch", "function") for config in configs]
+    results = [r for kind in ("torch", "function") for r in measure(kind, configs, rounds)]
     dist.destroy_process_group()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     print("| checkpoint | layers | micro-batches in flight | eval inputs alive | stock ms | patched ms "
-          "| patched / stock |")
-    print("|---|---|---|---|---|---|---|")
+          "| patched / stock | growth (against) | growth's quartiles |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        against = "" if r["base"] == [r["layers"], r["micro_batches"], r["evals_alive"]] else \
+            " ({}, {}, {})".format(*r["base"])
         print(f"| {r['checkpoint']} | {r['layers']} | {r['micro_batches']} | {r['evals_alive']} | "
-              f"{r['stock_ms']:.1f} | {r['patched_ms']:.1f} | {r['ratio']:.3f} |")
+              f"{r['stock_ms']:.1f} | {r['patched_ms']:.1f} | {r['ratio']:.3f} | {r['growth']:.3f}{against} | "
+              "{:.3f}–{:.3f} |".format(*r["growth_quartiles"]))
     return 0
 
 

@@ -70,6 +70,8 @@ def test_scaling_smoke(tmp_path) -> None:
     results = json.loads(out.read_text())
     assert {r["checkpoint"] for r in results} == {"torch", "function"}
     for r in results:
-        assert {"torch", "layers", "micro_batches", "evals_alive", "rounds", "stock_ms", "patched_ms",
-                "ratio"} <= set(r)
-        assert r["stock_ms"] > 0 and r["patched_ms"] > 0
+        assert {"torch", "layers", "micro_batches", "evals_alive", "rounds", "steps_per_timing", "base",
+                "stock_ms", "patched_ms", "ratio", "growth", "growth_quartiles"} <= set(r)
+        assert r["stock_ms"] > 0 and r["patched_ms"] > 0 and r["growth"] > 0
+        if r["base"] == [r["layers"], r["micro_batches"], r["evals_alive"]]:
+            assert r["growth"] == 1.0  # a configuration against itself, round by round
