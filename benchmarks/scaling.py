@@ -10,7 +10,8 @@ patched (``apply()`` before, ``remove()`` after, outside the time; the order alt
 enough steps for about 0.15 s. ``ratio``: the median over rounds of the round's patched / stock. ``growth``: the
 median over rounds of the round's ratio over its base configuration's ratio in the same round (8 layers and 1
 micro-batch; for eval inputs, the same configuration without them), so a slow phase of the machine, which moves
-both, cancels. The target: growth at 64 micro-batches in flight within 2 % (at most 1.02), flat in layers.
+both, divides out (step-to-step noise does not). The target: growth at 64 micro-batches in flight within 2 %
+(at most 1.02), flat in layers.
 
 JSON: a list of ``{"torch", "checkpoint", "layers", "micro_batches", "evals_alive", "rounds", "steps_per_timing",
 "base", "stock_ms", "patched_ms", "ratio", "growth", "growth_quartiles"}``.
@@ -164,8 +165,12 @@ def measure(kind: str, configs: list[tuple[int, int, int]], rounds: int) -> list
     patched (the order alternating by round), so a slow phase of the machine hits a configuration and its base
     in the same round. Per configuration: the median step times, the median of the rounds' patched / stock, and
     the growth: the median of the rounds' (patched / stock) / (its base's patched / stock in that round)."""
+    bases = {key: _base(key, configs[0]) for key in configs}
+    missing = sorted(base for base in bases.values() if base not in bases)
+    if missing:
+        raise ValueError(f"the growth's base configurations {missing} are not among {configs}")
     cells = [_Config(kind, *key) for key in configs]
-    per_round: list[dict[tuple[int, int, int], tuple[float, float]]] = []
+    per_round: list[dict[tuple[int, int, int], tuple[float, float]]] = []  # key -> (stock, patched) seconds
     for i in range(rounds + 1):  # round 0 warms up and sets each configuration's steps per timing
         pairs = {}
         for cell in cells:
@@ -176,20 +181,18 @@ def measure(kind: str, configs: list[tuple[int, int, int]], rounds: int) -> list
                 cell.steps = max(1, round(MIN_TIMING_S / t[False]))
         if i:
             per_round.append(pairs)
+    ratios = [{key: patched / stock for key, (stock, patched) in pairs.items()} for pairs in per_round]
     results = []
     for cell in cells:
-        stock = [r[cell.key][0] for r in per_round]
-        patched = [r[cell.key][1] for r in per_round]
-        ratios = [p / s for s, p in zip(stock, patched)]
-        base = _base(cell.key, configs[0])
-        growth = [(r[cell.key][1] / r[cell.key][0]) / (r[base][1] / r[base][0]) for r in per_round] \
-            if base in {c.key for c in cells} else [float("nan")]
-        layers, micro_batches, evals_alive = cell.key
+        key, base = cell.key, bases[cell.key]
+        growth = [r[key] / r[base] for r in ratios]
+        layers, micro_batches, evals_alive = key
         results.append({"torch": torch.__version__, "checkpoint": kind, "layers": layers,
                         "micro_batches": micro_batches, "evals_alive": evals_alive, "rounds": rounds,
                         "steps_per_timing": cell.steps, "base": list(base),
-                        "stock_ms": statistics.median(stock) * 1e3, "patched_ms": statistics.median(patched) * 1e3,
-                        "ratio": statistics.median(ratios), "growth": statistics.median(growth),
+                        "stock_ms": statistics.median(r[key][0] for r in per_round) * 1e3,
+                        "patched_ms": statistics.median(r[key][1] for r in per_round) * 1e3,
+                        "ratio": statistics.median(r[key] for r in ratios), "growth": statistics.median(growth),
                         "growth_quartiles": _quartiles(growth)})
     return results
 
