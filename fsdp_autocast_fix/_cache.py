@@ -17,6 +17,9 @@ reduced the gradients. Two kinds of pass make such casts, and the patch sees bot
   end of that backward finds the nesting count above zero on the thread (a region the recompute left open):
   then they are noted (:func:`_verify`).
 
+Only states whose unsharded parameters are float32 can have casts cached (:func:`caches_parameters`); the
+calls of others note nothing and check nothing.
+
 Invariant: the patch drops the cache before a grad-enabled call of a covered module under autocast (ordinary or
 recomputed, or a function checkpointed through :func:`fsdp_autocast_fix.preserve_autocast`) exactly when such
 a hazard was noted for that module's FSDP state and the cache still holds what it held then; nowhere else. So
@@ -94,6 +97,18 @@ def _hazards() -> _Hazards:
     except AttributeError:
         _tls.hazards = _Hazards()
         return _tls.hazards  # type: ignore[no-any-return]
+
+
+def caches_parameters(param_dtype: Any, modules: list[torch.nn.Module]) -> bool:
+    """Whether autocast's cache can hold casts of the unsharded parameters of an FSDP state with the policy's
+    ``param_dtype`` over ``modules``: autocast caches only the casts of float32 leaves that require grad, so a
+    state whose parameters are all-gathered in another dtype (bf16 parameters, say) never has a cast cached and
+    never a hazard (its calls neither note nor drop: dropping the cache for it would only take other modules'
+    shared casts). Without a ``param_dtype``, the modules' own parameters tell (those of nested sharded modules
+    included: at worst a hazard too many, never one too few)."""
+    if param_dtype is not None:
+        return param_dtype == torch.float32  # type: ignore[no-any-return]
+    return any(p.dtype == torch.float32 for module in modules for p in module.parameters())
 
 
 def note(state: Any, task: int, device_types: tuple[str, ...], shortcut: bool = True) -> None:

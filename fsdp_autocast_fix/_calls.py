@@ -126,6 +126,32 @@ def _matches(record: tuple[Any, ...], tensors: Any, exact: bool) -> bool:
     return True
 
 
+#: The most states one record keeps; where more are merged in, the oldest go and the record's stamps no longer
+#: tell its calls apart (:data:`LOST`).
+MAX_CALLS = 16
+#: The stamp of a record's oldest state once older ones were dropped: a recompute then replays the most recent
+#: state, with a warning, as for calls that ran with grad.
+LOST = -2
+
+
+def _merged(calls: tuple[tuple[Any, int], ...], stamped: tuple[Any, int]) -> tuple[tuple[Any, int], ...]:
+    """A record's states, oldest first, with the call ``stamped`` (``(state, stamp)``) added.
+
+    Invariant: for every autograd node made before a stamped call (a reentrant-style checkpoint's own), the first
+    stamp after it names the state of the first call after it, as in the full history: a call in the state of
+    the latest entry replaces it (a run of one state keeps its latest stamp, which every node within the run
+    precedes too); a call with grad (stamp -1; recomputes then replay the most recent state) keeps one entry per
+    state; any other call is appended, at most :data:`MAX_CALLS` kept."""
+    if calls[-1][0] == stamped[0]:
+        return calls[:-1] + (stamped,)
+    if stamped[1] == -1:
+        calls = tuple(c for c in calls if c[0] != stamped[0] or c[1] != -1)
+    calls += (stamped,)
+    if len(calls) > MAX_CALLS:
+        calls = ((calls[-MAX_CALLS][0], LOST),) + calls[-MAX_CALLS + 1:]
+    return calls
+
+
 class CallLog:
     """The recorded forward calls of one sharded module (see the module docstring for the invariant).
 
@@ -164,8 +190,8 @@ class CallLog:
     # -- the hot path: one record per ordinary call -------------------------------------------------------
 
     def record(self, tensors: Any, call: Any, stamp: int) -> None:
-        """Record ``call`` (its state) under the leaves ``tensors``; the same leaves again keep each state once,
-        latest last.
+        """Record ``call`` (its state) under the leaves ``tensors``; the same leaves again add their state to the
+        record's (:func:`_merged`).
 
         ``stamp``: autograd's sequence number when a call runs without grad (reentrant-style checkpoints run
         their forward so), else -1; it tells a checkpoint's own call from an eval pass on the same leaves."""
@@ -201,10 +227,8 @@ class CallLog:
         self._again(key, seen, (call, stamp))
 
     def _again(self, key: Any, seen: tuple[Any, ...], stamped: tuple[Any, int]) -> None:
-        """The very leaves of a record called again: keep each state once, latest last."""
-        calls = seen[_CALLS]
-        if calls[-1] != stamped:
-            calls = tuple(c for c in calls if c[0] != stamped[0]) + (stamped,)
+        """The very leaves of a record called again: add ``stamped`` (see :func:`_merged`)."""
+        calls = _merged(seen[_CALLS], stamped)
         memory = self.indexed.get(key)
         if memory is not None:  # index it again: its data may have moved (FSDP re-allocates the unsharded
             self._drop(key)  # parameters that a call given only parameters gets)

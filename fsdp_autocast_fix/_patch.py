@@ -74,7 +74,7 @@ class _Module:
     """
 
     __slots__ = ("cover", "cover_key", "state", "pre_backward", "device_types", "may_move", "grouped", "varies",
-                 "name", "log", "placement", "replayer", "__weakref__")
+                 "cached", "name", "log", "placement", "replayer", "__weakref__")
 
     def __init__(self, cover: _Cover, module: torch.nn.Module, slots: _compat.HookSlots) -> None:
         self.cover, self.cover_key = cover, id(cover)  # the cast-cache hazards are kept per FSDP state
@@ -82,6 +82,7 @@ class _Module:
         self.device_types, self.may_move = cover.device_types, cover.may_move
         self.grouped = len(cover.modules_of_state) > 1
         self.varies = self.grouped or self.may_move  # else a call without autocast is always recorded alike
+        self.cached = cover.caches_parameters  # whether its calls can leave a cast-cache hazard (see _cache)
         self.name = _compat.user_class_name(module)
         self.log = _calls.CallLog()
         self.placement = Placement(cover.state, slots)
@@ -121,8 +122,8 @@ class _Module:
 
     def _call(self, module: torch.nn.Module, now: Any, grad: bool) -> tuple[Any, ...]:
         """The record of a call under the autocast state ``now``, grad mode ``grad``; first, under autocast with
-        the cast cache on, the cache's hazards (see :mod:`._cache`)."""
-        if now is not _ALL_OFF and now[1]:
+        the cast cache on and parameters autocast can cache, the cache's hazards (see :mod:`._cache`)."""
+        if now is not _ALL_OFF and now[1] and self.cached:
             if not grad:
                 _cache.note(self.cover_key, -1, self.device_types)
             elif _hazards_active[0]:
@@ -141,7 +142,7 @@ class _Cover:
     """The patch on one FSDP state: its modules' hooks, and FSDP's casts where this torch skips them."""
 
     __slots__ = ("state", "owner", "pre_backward", "torch_skips_casts", "device_types", "may_move",
-                 "modules_of_state", "modules", "__weakref__")
+                 "caches_parameters", "modules_of_state", "modules", "__weakref__")
 
     def __init__(self, state: Any, slots: list[tuple[torch.nn.Module, _compat.HookSlots]], owner: str) -> None:
         self.state = state
@@ -152,6 +153,8 @@ class _Cover:
         self.device_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
         self.may_move = device_type in _MOVING_DEVICE_TYPES
         self.modules_of_state = [module for module, _ in slots]
+        #: Whether autocast can cache casts of the state's parameters (else its calls have no cache hazard).
+        self.caches_parameters = _cache.caches_parameters(state._mp_policy.param_dtype, self.modules_of_state)
         self.modules = [_Module(self, module, s) for module, s in slots]
 
     def casts(self) -> bool:

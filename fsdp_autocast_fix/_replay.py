@@ -187,7 +187,7 @@ class Replayer:
             _report.count_recompute(self.name, entered is not None)
         else:
             chosen = None  # inside a replayed module: it re-runs as in the forward
-        if _any_autocast_enabled() and _is_autocast_cache_enabled():
+        if cover.caches_parameters and _any_autocast_enabled() and _is_autocast_cache_enabled():
             if not _is_grad_enabled():  # a forward inside the recompute (a nested checkpoint's)
                 _cache.note(self.key, -1, cover.device_types)
             else:
@@ -264,7 +264,7 @@ class Replayer:
         # after the ops in between, one run earlier before the node). That holds where every call is stamped
         # (ran under no_grad); else the most recent, with one warning.
         node = _current_node()
-        if node is not None and all(stamp != -1 for _, stamp in calls):
+        if node is not None and all(stamp >= 0 for _, stamp in calls):
             made = node._sequence_nr()
             after = [(stamp, call) for call, stamp in calls if stamp > made]
             if after:
@@ -274,7 +274,7 @@ class Replayer:
             logger.warning(
                 "%s ran forward on the same input under %d autocast states before this recompute; replaying the "
                 "most recent. Wrap the checkpoint with fsdp_autocast_fix.preserve_autocast to make it exact",
-                type(module).__name__, len(calls))
+                type(module).__name__, len({state for state, _ in calls}))
         return calls[-1][0]
 
     # -- FSDP's casts, in FSDP's place --------------------------------------------------------------------

@@ -71,7 +71,7 @@ def test_a_freed_leaf_takes_its_record_and_index_entry() -> None:
     assert len(log) == 0 and not log.indexed and not log.by_memory
 
 
-def test_the_same_leaves_again_keep_each_state_once_latest_last() -> None:
+def test_the_same_leaves_again_keep_each_state_once_latest_last_where_calls_ran_with_grad() -> None:
     log = _calls.CallLog()
     x = torch.randn(2)
     for state in ("a", "b", "a"):
@@ -80,6 +80,28 @@ def test_the_same_leaves_again_keep_each_state_once_latest_last() -> None:
     assert log.find((x.detach(),)) == (("b", -1), ("a", -1))
     log.record((x,), "c", 4)  # indexed already: indexed again at the next detach lookup
     assert log.find((x.detach(),)) == (("b", -1), ("a", -1), ("c", 4))
+
+
+def test_stamped_calls_keep_their_order_a_run_of_one_state_its_latest_stamp() -> None:
+    """The first stamp after any node names the state of the first call after it: a state met again after
+    another keeps both entries (a reentrant-style checkpoint's call before an eval in another state, and one
+    after it), a run of one state keeps its latest stamp."""
+    log = _calls.CallLog()
+    x = torch.randn(2)
+    for state, stamp in (("a", 1), ("a", 3), ("off", 5), ("a", 8)):
+        log.record((x,), state, stamp)
+    assert log.find((x,)) == (("a", 3), ("off", 5), ("a", 8))
+
+
+def test_a_record_keeps_at_most_max_calls_states_and_then_no_longer_trusts_its_stamps() -> None:
+    log = _calls.CallLog()
+    x = torch.randn(2)
+    for i in range(_calls.MAX_CALLS + 3):
+        log.record((x,), "ab"[i % 2], i)
+    calls = log.find((x,))
+    assert calls is not None and len(calls) == _calls.MAX_CALLS
+    assert calls[0][1] == _calls.LOST and all(stamp >= 0 for _, stamp in calls[1:])
+    assert calls[-1] == ("ab"[(_calls.MAX_CALLS + 2) % 2], _calls.MAX_CALLS + 2)
 
 
 def test_a_record_dropped_while_the_index_is_built_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:

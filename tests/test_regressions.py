@@ -9,6 +9,7 @@ end, also with DeepSpeed's checkpoints where DeepSpeed is installed.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -520,3 +521,95 @@ def test_a_region_left_open_in_a_recompute_keeps_its_casts_noted() -> None:
     assert _leaky_region_steps("stock").verdict(truth) != "bitwise"  # positive control: the casts reused
     for mode in G.PATCHED_MODES:
         assert _leaky_region_steps(mode).verdict(truth) == "bitwise", mode
+
+
+# -- found by review: a state autocast never caches, and a record's states in order ------------------------
+
+
+def _shared_cast_around_a_bf16_unit(mode: str, frontend: str, history: str, eval_pass: bool = True) -> G.Result:
+    """An unsharded fp32 ``proj`` used before and after a sharded unit with bf16 parameters (``proj(unit(
+    proj(x)))``: one cast of ``proj``'s weight serves both uses), an eval ``no_grad`` pass of the unit in the
+    step's autocast region before (``eval_in_region``) or between two micro-batches (``micro_batches``), the
+    backward inside the region. Autocast never caches a cast of bf16 parameters, so the eval pass changes no bit
+    of stock's, and the patch must not drop the cache (and with it ``proj``'s shared cast) for the unit."""
+    torch.manual_seed(0)
+    proj, unit = nn.Linear(G.DIM, G.DIM), nn.Sequential(nn.Linear(G.DIM, G.DIM))
+    with G._mode(mode) as fully_shard:
+        fully_shard(unit, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy(param_dtype=G.BF16))
+        if mode == "late_apply":
+            fsdp_autocast_fix.apply()
+        body: Callable[[torch.Tensor], torch.Tensor] = lambda t: proj(unit(proj(t)))  # noqa: E731
+        if frontend != "none":
+            body = functools.partial(checkpoint, body, use_reentrant=frontend == "torch_reentrant")
+        xs = [torch.randn(4, G.DIM, requires_grad=True) for _ in range(2 if history == "micro_batches" else 1)]
+        with torch.autocast("cpu", dtype=G.BF16):
+            for i, x in enumerate(xs):
+                if eval_pass and i == len(xs) - 1:
+                    with torch.no_grad():
+                        unit(torch.randn(4, G.DIM))
+                body(x).float().pow(2).sum().backward()
+    return G.Result(grads=[G._full(x.grad) for x in xs] + [G._full(p.grad) for p in (*proj.parameters(),
+                                                                                      *unit.parameters())])
+
+
+@pytest.mark.parametrize("history", ["eval_in_region", "micro_batches"])
+@pytest.mark.parametrize("frontend", ["none", "torch", "torch_reentrant"])
+def test_an_eval_pass_of_a_unit_autocast_never_caches_leaves_other_casts_shared(frontend: str, history: str) -> None:
+    """Stock is bitwise right here (the eval pass changes none of its bits); every patched mode leaves the very
+    same bits. (Before the fix the patch noted a cache hazard for the unit and dropped the whole cache at its next
+    call, so ``proj``'s second use cast its weight again: other gradient bits.)"""
+    stock = _shared_cast_around_a_bf16_unit("stock", frontend, history)
+    assert _shared_cast_around_a_bf16_unit("stock", frontend, history, eval_pass=False).verdict(stock) == "bitwise"
+    for mode in G.PATCHED_MODES:
+        fsdp_autocast_fix.report(reset=True)
+        assert _shared_cast_around_a_bf16_unit(mode, frontend, history).verdict(stock) == "bitwise", mode
+        assert fsdp_autocast_fix.report().cache_drops == 0, mode
+
+
+class _NoRestore(torch.autograd.Function):
+    """A reentrant-style checkpoint that does not restore autocast in its recompute."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.fn(x)
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
+def _same_input_states_interleaved(mode: str, use_checkpoint: bool) -> G.Result:
+    """Two training forwards on the same input under bf16 (cache off), an eval on it with autocast off between
+    them, one backward of both outside autocast, through a checkpoint that does not restore autocast: each
+    recompute must replay its own call's state, told apart by the stamps (the eval's state sits between two
+    calls of the other state)."""
+    torch.manual_seed(0)
+    unit = nn.Sequential(nn.GELU(), nn.Linear(G.DIM, G.DIM))
+    with G._mode(mode) as fully_shard:
+        fully_shard(unit, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())  # fp32: autocast casts
+        if mode == "late_apply":
+            fsdp_autocast_fix.apply()
+        x = torch.randn(4, G.DIM, requires_grad=True)
+        run = (lambda t: _NoRestore.apply(unit, t)) if use_checkpoint else unit
+        with torch.autocast("cpu", dtype=G.BF16, cache_enabled=False):
+            a = run(x)
+        with torch.no_grad():
+            unit(x)
+        with torch.autocast("cpu", dtype=G.BF16, cache_enabled=False):
+            c = run(x)
+        (a.float().pow(2).sum() + 3 * c.float().pow(2).sum()).backward()
+    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in unit.parameters()])
+
+
+def test_recomputes_of_one_input_replay_their_own_states_around_an_eval_in_another() -> None:
+    truth = _same_input_states_interleaved("stock", use_checkpoint=False)
+    assert _same_input_states_interleaved("stock", True).verdict(truth) != "bitwise"  # positive control
+    for mode in G.PATCHED_MODES:
+        assert _same_input_states_interleaved(mode, True).verdict(truth) == "bitwise", mode
