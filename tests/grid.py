@@ -19,7 +19,10 @@ A cell is one value per dimension (:data:`DIMENSIONS`):
   (``same_region``) or one backward of their sum (``two_passes``, two views of a batch);
 * ``hooks``: user hooks on every sharded module: forward pre-hook registered before / after sharding /
   after sharding with ``prepend=True``, forward hook before / after sharding, or one after sharding that
-  returns a bf16 tensor;
+  returns a bf16 tensor; a global module forward pre-hook or forward hook (``register_module_forward_pre_hook``,
+  ``register_module_forward_hook``: they run before, and after, every module's own) that changes what the
+  sharded modules get or give; a full backward hook (``register_full_backward_hook``, which wraps the call's
+  inputs and outputs in autograd functions of its own) that scales the gradients it passes on;
 * ``topology``: a sharded root module checkpointed whole; sharded layers in a sharded root, one checkpoint
   per layer; root -> layer -> sub-layer, one checkpoint per layer; ``fully_shard([a, b])`` in a sharded
   root, one checkpoint around the pair; ``fully_shard([a, b])``, one checkpoint around each;
@@ -94,7 +97,7 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "history": ("none", "eval_before", "eval_before_same_input", "eval_in_region", "eval_between", "micro_batches",
                 "eval_between_steps", "retain_graph", "mixed_states", "same_region", "two_passes"),
     "hooks": ("none", "pre_before", "pre_after", "pre_after_prepend", "post_before", "post_after",
-              "post_after_bf16"),
+              "post_after_bf16", "global_pre", "global_post", "full_backward"),
     "topology": ("root", "layers", "nested", "grouped", "grouped_each"),
     "region": ("module", "pre_ops", "two_modules", "twice", "nested", "across"),
     "signature": SIGNATURES,
@@ -131,8 +134,9 @@ class Cell:
     def needs_preserve_autocast(self) -> bool:
         """Whether the patch needs :func:`fsdp_autocast_fix.preserve_autocast` around the checkpoint here: the
         region runs unsharded ops before its first sharded call, whose input nothing recorded then names, and the
-        checkpoint does not restore autocast itself (documented; the patched modes wrap it)."""
-        return self.region == "pre_ops" and self.frontend in NOT_RESTORING
+        checkpoint does not restore autocast itself (documented; the patched modes wrap it). A global forward
+        pre-hook that changes the input is such an op: it runs before any hook of the module."""
+        return (self.region == "pre_ops" or self.hooks == "global_pre") and self.frontend in NOT_RESTORING
 
     def shares_a_cast(self) -> bool:
         """Whether autocast's cache gives two uses of one parameter one cast here, so that its gradient is summed
@@ -191,7 +195,7 @@ class Cell:
             # regions, one backward, no shared cast.
         if self.frontend in ("composable", "selective") and self.history == "retain_graph":
             return False  # torch: neither recomputes twice (a spent context manager; "backward once" for SAC)
-        if self.frontend == "composable" and self.hooks == "pre_after_prepend":
+        if self.frontend == "composable" and self.hooks in ("pre_after_prepend", "global_pre"):
             return False  # torch: the composable checkpoint's region starts in its own pre-hook, after this
             # hook in the forward, but its recompute runs the module call with every hook: never comparable
         if (self.frontend == "selective" and self.hooks in ("post_after", "post_after_bf16")
@@ -628,7 +632,22 @@ def _mix(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return t + 0.25 * torch.tanh(t) * product
 
 
-def _register_hooks(modules: list[nn.Module], hooks: str, weight: torch.Tensor) -> None:
+def _register_hooks(modules: list[nn.Module], hooks: str, weight: torch.Tensor) -> list[Any]:
+    """Put the cell's hooks on ``modules``; return the handles of the global ones (process-wide: the caller removes
+    them)."""
+    if hooks in ("global_pre", "global_post"):
+        ids = {id(m) for m in modules}
+
+        def global_pre(m: nn.Module, args: tuple[Any, ...]) -> Any:
+            if id(m) in ids and args:  # a global pre-hook gets the positional arguments only
+                return _map_x(args, {}, lambda x: _mix(x, weight))[0]
+            return None
+
+        def global_post(m: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+            return _mix(out, weight) if id(m) in ids else None
+
+        return [torch.nn.modules.module.register_module_forward_pre_hook(global_pre) if hooks == "global_pre"
+                else torch.nn.modules.module.register_module_forward_hook(global_post)]
     for module in modules:
         if hooks.startswith("pre"):
             module.register_forward_pre_hook(lambda m, args, kwargs: _map_x(args, kwargs, lambda x: _mix(x, weight)),
@@ -637,6 +656,10 @@ def _register_hooks(modules: list[nn.Module], hooks: str, weight: torch.Tensor) 
             module.register_forward_hook(lambda m, args, out: _mix(out, weight).to(BF16))
         elif hooks.startswith("post"):
             module.register_forward_hook(lambda m, args, out: _mix(out, weight))
+        elif hooks == "full_backward":
+            module.register_full_backward_hook(
+                lambda m, grad_in, grad_out: tuple(None if g is None else 0.75 * g for g in grad_in))
+    return []
 
 
 def _map_x(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -824,7 +847,7 @@ def run(cell: Cell, mode: str, *, cache: bool = True, sharding: str = "fsdp2", s
             sharded = _hookable(model, cell.topology)
             if sharding == "fsdp1":
                 outer = _fsdp1(model, cell.topology)
-        if not cell.hooks.endswith("before") and cell.hooks != "none":
+        global_hooks = [] if cell.hooks.endswith("before") or cell.hooks == "none" else \
             _register_hooks(sharded, cell.hooks, weight)
         if mode == "late_apply":
             fsdp_autocast_fix.apply()
@@ -834,6 +857,9 @@ def run(cell: Cell, mode: str, *, cache: bool = True, sharding: str = "fsdp2", s
                   reference)
         except Exception as e:  # the positive control's failure, or a patched mode's
             return Result(error=e)
+        finally:
+            for handle in global_hooks:
+                handle.remove()
     return Result(grads=[_full(x.grad) for x in compared] + [_full(p.grad) for p in model.parameters()])
 
 

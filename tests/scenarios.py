@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -105,8 +106,11 @@ def fsdp_supports(feature: str) -> bool:
         return "with_kwargs=True" in inspect.getsource(checkpoint_activation)
     fully_shard = compat.fsdp_package().fully_shard
     parameters = inspect.signature(fully_shard).parameters
-    if feature == "grouped":
-        return "List" in str(parameters["module"].annotation) or "list" in str(parameters["module"].annotation)
+    if feature == "grouped":  # the module argument takes a list (where fully_shard is overloaded, an overload's)
+        overloads = getattr(typing, "get_overloads", lambda f: [])(inspect.unwrap(fully_shard))
+        annotations = [parameters["module"].annotation] + [
+            inspect.signature(overload).parameters["module"].annotation for overload in overloads]
+        return any("list" in str(annotation).lower() for annotation in annotations)
     return feature in parameters
 
 
