@@ -14,7 +14,7 @@ JSON keys: ``torch``, ``grad`` (``off``/``on``), ``autocast`` (``off``/``bf16``)
 ``stock_ns``, ``patched_ns``, ``fsdp_hook_ns`` (stock - unsharded), ``added_ns`` (median paired patched -
 stock), ``added_over_fsdp_hook`` (the target is <= 0.01), ``ratio`` (patched / stock); and for the paths
 measured on the hooks directly, ``path`` (``ordinary``, ``ordinary-autocast``, ``recompute``,
-``recompute-region``, ``recompute-entered``, ``disable-wrapper``),
+``recompute-region``, ``recompute-entered``, each also ``-fp32-params``, ``disable-wrapper``),
 ``ns_per_call``, ``over_fsdp_hook``.
 
     python benchmarks/hook_overhead.py [--rounds 200] [--calls 200] [--json out.json] [--smoke]
@@ -96,7 +96,7 @@ def _in_backward(body: Any) -> None:
     out.sum().backward()
 
 
-def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str, Any]]:
+def _hooks_directly(module: nn.Module, fp32_module: nn.Module, rounds: int, calls: int) -> list[dict[str, Any]]:
     """The patch's own work per module call, called directly (FSDP's hooks not included).
 
     ``ordinary``: what runs before FSDP's pre-hook on an ordinary forward (the record), autocast off and on;
@@ -106,15 +106,15 @@ def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str
     another kind restores the call's state in an autocast region of its own per recompute (the region's own entry
     and exit, stock's too, are measured apart and taken off); ``recompute-entered``: the same where the
     checkpoint does not restore the state and the patch enters it (each recompute is then a region of the
-    patch's own, ended when the next one starts)."""
+    patch's own, ended when the next one starts). ``module`` has bf16 parameters, whose casts autocast never
+    caches (no cast-cache bookkeeping); the recompute paths are timed again on ``fp32_module``, fp32 parameters
+    that autocast casts (``-fp32-params``: the hazard bookkeeping, and outside torch's checkpoint the sentinel)."""
     cover = _patch._covers[id(_compat.load().state_of(module))]
     module_cover = cover.modules[0]
     replayer = module_cover.replayer
     x = torch.randn(2, 8)
     args: tuple[Any, ...] = (x,)
     results = []
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        module(x)  # the call the recomputes replay
 
     def torch_checkpoint_recomputes(samples: list[float]) -> None:
         # Each replay timed inside torch.utils.checkpoint's own recompute (non-reentrant), one per checkpoint.
@@ -179,13 +179,21 @@ def _hooks_directly(module: nn.Module, rounds: int, calls: int) -> list[dict[str
                     module_cover.begin(module, (x.detach(),), {})  # a fresh input each time
                 samples.append((time.perf_counter_ns() - start - baseline) / calls)
         results.append({"torch": torch.__version__, "path": path, "ns_per_call": statistics.median(samples)})
-    samples = []
-    torch_checkpoint_recomputes(samples)
-    results.append({"torch": torch.__version__, "path": "recompute", "ns_per_call": statistics.median(samples)})
-    for path, restored in (("recompute-region", True), ("recompute-entered", False)):
+    for covered, suffix in ((module, ""), (fp32_module, "-fp32-params")):
+        cover = _patch._covers[id(_compat.load().state_of(covered))]
+        module_cover, replayer = cover.modules[0], cover.modules[0].replayer
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            covered(x)  # the call the recomputes replay
+        module = covered
         samples = []
-        _in_backward(lambda: recomputes(samples, restored))  # noqa: B023 - run before the next iteration
-        results.append({"torch": torch.__version__, "path": path, "ns_per_call": statistics.median(samples)})
+        torch_checkpoint_recomputes(samples)
+        results.append({"torch": torch.__version__, "path": "recompute" + suffix,
+                        "ns_per_call": statistics.median(samples)})
+        for path, restored in (("recompute-region", True), ("recompute-entered", False)):
+            samples = []
+            _in_backward(lambda: recomputes(samples, restored))  # noqa: B023 - run before the next iteration
+            results.append({"torch": torch.__version__, "path": path + suffix,
+                            "ns_per_call": statistics.median(samples)})
     wrapped = _hooks.eager(lambda module, args, kwargs: None)
     samples = []
     for _ in range(rounds):
@@ -231,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                             "fsdp_hook_ns": fsdp_hook, "added_ns": m["added"],
                             "added_over_fsdp_hook": m["added"] / fsdp_hook, "ratio": m["patched"] / m["stock"]})
     covered = fsdp_autocast_fix.patched_fully_shard(nn.Linear(8, 8), mp_policy=policy)
-    direct = _hooks_directly(covered, rounds, calls)
+    fp32_covered = fsdp_autocast_fix.patched_fully_shard(nn.Linear(8, 8), mp_policy=fsdp.MixedPrecisionPolicy())
+    direct = _hooks_directly(covered, fp32_covered, rounds, calls)
     fsdp_hook = statistics.mean(r["fsdp_hook_ns"] for r in results)
     for r in direct:
         r["over_fsdp_hook"] = r["ns_per_call"] / fsdp_hook

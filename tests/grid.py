@@ -211,11 +211,13 @@ class Cell:
             return False  # torch: FSDP runs a group's hooks for the pass of all its modules; a reentrant
             # recompute of one of them alone leaves the other's parameters sharded ("mixed torch.Tensor and
             # DTensor"), stock or patched
-        if (self.topology == "grouped_each" and self.precision == "output_fp32" and self.hooks.startswith("post_after")
+        if (self.topology == "grouped_each" and self.hooks.startswith("post_after")
+                and (self.precision == "output_fp32" or (self.precision == "bf16_params" and self.autocast == "fp16"))
                 and _compat.load().needs_cast_replay):
             return False  # torch 2.5-2.12: a forward hook after FSDP's that saves tensors makes the recompute of
             # one module of the group run before its pre-backward hook, as a forward of its own, and FSDP's group
-            # closure then casts that module's output, which it did not in the group's forward, stock or patched
+            # closure then casts that module's output (output_fp32), or its fp16 input to bf16, which it did not in
+            # the group's forward: "Recomputed values ... have different metadata", stock or patched
         if self.frontend == "deepspeed" and self.history == "retain_graph":
             return False  # DeepSpeed's reentrant checkpoint frees its saved inputs in the first backward
         if self.frontend.startswith("deepspeed") and not deepspeed_available():
