@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdp_autocast_fix
 from fsdp_autocast_fix import _compat
+from fsdp_autocast_fix._probe import NoAutocastRestore
 
 pytestmark = pytest.mark.usefixtures("pg")
 
@@ -566,25 +567,6 @@ def test_an_eval_pass_of_a_unit_autocast_never_caches_leaves_other_casts_shared(
         assert fsdp_autocast_fix.report().cache_drops == 0, mode
 
 
-class _NoRestore(torch.autograd.Function):
-    """A reentrant-style checkpoint that does not restore autocast in its recompute."""
-
-    @staticmethod
-    def forward(ctx: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        ctx.fn = fn
-        ctx.save_for_backward(x)
-        return fn(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        (x,) = ctx.saved_tensors
-        x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = ctx.fn(x)
-        torch.autograd.backward(out, grad)
-        return None, x.grad
-
-
 def _same_input_states_interleaved(mode: str, use_checkpoint: bool) -> G.Result:
     """Two training forwards on the same input under bf16 (cache off), an eval on it with autocast off between
     them, one backward of both outside autocast, through a checkpoint that does not restore autocast: each
@@ -597,7 +579,7 @@ def _same_input_states_interleaved(mode: str, use_checkpoint: bool) -> G.Result:
         if mode == "late_apply":
             fsdp_autocast_fix.apply()
         x = torch.randn(4, G.DIM, requires_grad=True)
-        run = (lambda t: _NoRestore.apply(unit, t)) if use_checkpoint else unit
+        run = (lambda t: NoAutocastRestore.apply(unit, t)) if use_checkpoint else unit
         with torch.autocast("cpu", dtype=G.BF16, cache_enabled=False):
             a = run(x)
         with torch.no_grad():
