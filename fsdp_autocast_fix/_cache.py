@@ -105,7 +105,8 @@ def caches_parameters(param_dtype: Any, modules: list[torch.nn.Module]) -> bool:
     state whose parameters are all-gathered in another dtype (bf16 parameters, say) never has a cast cached and
     never a hazard (its calls neither note nor drop: dropping the cache for it would only take other modules'
     shared casts). Without a ``param_dtype``, the modules' own parameters tell (those of nested sharded modules
-    included: at worst a hazard too many, never one too few)."""
+    included: at worst a hazard too many, never one too few). Parameters FSDP does not manage
+    (``ignored_params``) are left to autocast, as any unsharded module's are."""
     if param_dtype is not None:
         return param_dtype == torch.float32  # type: ignore[no-any-return]
     return any(p.dtype == torch.float32 for module in modules for p in module.parameters())
