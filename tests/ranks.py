@@ -1,4 +1,5 @@
-"""A gloo process group for a rank spawned by ``torch.multiprocessing.spawn``, torn down in step.
+"""A gloo process group for a rank spawned by ``torch.multiprocessing.spawn`` (or launched by ``torchrun``), torn
+down in step.
 
 Invariant: no rank closes its connections while a peer may still be inside a collective, and what holds the
 group (sharded modules, pending work) is freed before the interpreter finalizes. Gloo's shutdown is racy when
@@ -27,7 +28,13 @@ def spawned_group(rank: int, world_size: int, port: int) -> Iterator[None]:
         yield
         ok = True
     finally:
-        if ok:
-            dist.barrier()
-        gc.collect()
-        dist.destroy_process_group()
+        tear_down(ok)
+
+
+def tear_down(clean: bool = True) -> None:
+    """End this rank's group in step: where the rank got here cleanly, a barrier (every rank is past its last
+    collective); then free what holds the group, then destroy it."""
+    if clean:
+        dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()

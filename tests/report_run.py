@@ -13,6 +13,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import grid as G  # noqa: E402
+from ranks import tear_down  # noqa: E402
 
 import fsdp_autocast_fix  # noqa: E402
 
@@ -22,6 +23,12 @@ def main() -> None:
         dist.init_process_group("gloo")
     else:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+    step()  # its sharded module is freed on return, before the group goes
+    tear_down()
+    print("step done")
+
+
+def step() -> None:
     fsdp_autocast_fix.apply()
     fsdp = G._compat.fsdp_package()
     torch.manual_seed(0)
@@ -31,8 +38,6 @@ def main() -> None:
     with torch.autocast("cpu", dtype=G.BF16):
         out = G._FunctionCheckpoint.apply(block, "no_restore", x)
     out.float().sum().backward()
-    dist.destroy_process_group()
-    print("step done")
 
 
 if __name__ == "__main__":
