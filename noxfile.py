@@ -203,8 +203,9 @@ def bench(session: nox.Session) -> None:
     """All benchmarks on this machine; writes benchmarks/results/, docs/benchmarks.md and README's headline.
 
     The headline is the in-process A/B step (patched against stock on the same torch build, model and ranks)
-    on torch 2.12.1 and 2.13.0; then the hook overhead, the cost growth, the value check and the per-variant
-    step table.
+    on torch 2.12.1 and 2.13.0; then the hook overhead and the cost growth (each timed, and counted in
+    instructions under valgrind's callgrind, which needs valgrind and a C compiler), the value check and the
+    per-variant step table.
     Uses the environments of ``tests(2.12.1)`` and ``tests(2.13.0)``.
     """
     import datetime
@@ -227,9 +228,18 @@ def bench(session: nox.Session) -> None:
         ("Hook overhead, torch 2.12.1 (`benchmarks/hook_overhead.py`)",
          run(buggy, "hook_overhead.py", "--json", f"{out}/hook_overhead-2.12.1.json")),
         ("Hook overhead, torch 2.13.0", run(fixed, "hook_overhead.py", "--json", f"{out}/hook_overhead-2.13.0.json")),
+        ("Hook overhead in instructions per call, torch 2.12.1 (`benchmarks/hook_overhead.py --instructions`, "
+         "valgrind's callgrind)",
+         run(buggy, "hook_overhead.py", "--instructions", "--json", f"{out}/hook_overhead_instructions-2.12.1.json")),
+        ("Hook overhead in instructions per call, torch 2.13.0",
+         run(fixed, "hook_overhead.py", "--instructions", "--json", f"{out}/hook_overhead_instructions-2.13.0.json")),
         ("Cost growth, torch 2.12.1: layers, micro-batches in flight, eval inputs alive (`benchmarks/scaling.py`)",
          run(buggy, "scaling.py", "--json", f"{out}/scaling-2.12.1.json")),
         ("Cost growth, torch 2.13.0", run(fixed, "scaling.py", "--json", f"{out}/scaling-2.13.0.json")),
+        ("Cost growth in instructions, torch 2.12.1 (`benchmarks/scaling.py --instructions`, valgrind's callgrind)",
+         run(buggy, "scaling.py", "--instructions", "--json", f"{out}/scaling_instructions-2.12.1.json")),
+        ("Cost growth in instructions, torch 2.13.0",
+         run(fixed, "scaling.py", "--instructions", "--json", f"{out}/scaling_instructions-2.13.0.json")),
         ("Value-level recompute check, torch 2.12.1 (`benchmarks/value_check.py`)",
          run(buggy, "value_check.py", "--json", f"{out}/value_check-2.12.1.json")),
         ("Training step, torch 2.12.1 (`benchmarks/step.py`)",

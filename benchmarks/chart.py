@@ -55,23 +55,25 @@ def main(argv: list[str] | None = None) -> int:
 def _scaling(ax: object) -> None:
     """The cost growth against micro-batches in flight (8 layers): each torch and checkpoint's patched / stock over
     its value at 1 micro-batch, measured in the same rounds (the median, bars from the first to the third
-    quartile of the rounds); the target band (within 2 %) shaded."""
-    for name in ("scaling-2.12.1.json", "scaling-2.13.0.json"):
-        path = RESULTS / name
-        if not path.exists():
-            continue
-        rows = json.loads(path.read_text())
-        for kind in ("torch", "function"):
-            line = sorted((r["micro_batches"], r["growth"], r["growth_quartiles"]) for r in rows
-                          if r["checkpoint"] == kind and r["layers"] == 8 and r["evals_alive"] == 0)
-            ax.errorbar([k for k, _, _ in line], [v for _, v, _ in line],  # type: ignore[attr-defined]
-                        yerr=[[v - q[0] for _, v, q in line], [q[1] - v for _, v, q in line]], marker="o",
-                        capsize=3, label=f"{rows[0]['torch'].split('+')[0]}, {kind} checkpoint")
+    quartile of the rounds), timed (solid) and counted in instructions (dashed); the target band (within 2 %)
+    shaded."""
+    for prefix, style, what in (("scaling", "-", "time"), ("scaling_instructions", "--", "instructions")):
+        for torch in ("2.12.1", "2.13.0"):
+            path = RESULTS / f"{prefix}-{torch}.json"
+            if not path.exists():
+                continue
+            rows = json.loads(path.read_text())
+            for kind in ("torch", "function"):
+                line = sorted((r["micro_batches"], r["growth"], r["growth_quartiles"]) for r in rows
+                              if r["checkpoint"] == kind and r["layers"] == 8 and r["evals_alive"] == 0)
+                ax.errorbar([k for k, _, _ in line], [v for _, v, _ in line],  # type: ignore[attr-defined]
+                            yerr=[[v - q[0] for _, v, q in line], [q[1] - v for _, v, q in line]], marker="o",
+                            linestyle=style, capsize=3, label=f"{torch}, {kind} checkpoint, {what}")
     ax.axhspan(0.98, 1.02, color="0.9", zorder=0, label="within 2 %")  # type: ignore[attr-defined]
     ax.set_xscale("log", base=2)  # type: ignore[attr-defined]
     ax.set_xlabel("micro-batches in flight (8 layers)")  # type: ignore[attr-defined]
     ax.set_title("cost growth: patched / stock over its value at 1")  # type: ignore[attr-defined]
-    ax.legend(fontsize=7)  # type: ignore[attr-defined]
+    ax.legend(fontsize=6)  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

@@ -17,7 +17,16 @@ measured on the hooks directly, ``path`` (``ordinary``, ``ordinary-autocast``, `
 ``recompute-region``, ``recompute-entered``, each also ``-fp32-params``, ``disable-wrapper``),
 ``ns_per_call``, ``over_fsdp_hook``.
 
-    python benchmarks/hook_overhead.py [--rounds 200] [--calls 200] [--json out.json] [--smoke]
+``--instructions`` counts, instead of timing, the instructions of the blocks of calls under valgrind's callgrind
+(``benchmarks/instructions.py``; needs valgrind and a C compiler): unsharded, stock and patched, per row, 2
+rounds; the added cost is then resolved to a few instructions where the timed difference spreads by
+microseconds. Rows only (``*_instructions`` keys in place of ``*_ns``), no direct paths; each row also counts
+stock with FSDP's pre-hook called through one prebuilt ``torch._dynamo.disable`` wrapper, as the patch calls it
+(FSDP's own builds one per call): ``prebuilt_instructions``, and the patch's own work ``own_instructions``
+(patched - prebuilt), ``own_over_fsdp_hook``. Instructions are a proxy for time, not time (a cache miss counts as
+one).
+
+    python benchmarks/hook_overhead.py [--rounds 200] [--calls 200] [--instructions] [--json out.json] [--smoke]
 """
 
 from __future__ import annotations
@@ -39,8 +48,10 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fsdp_autocast_fix  # noqa: E402
+import instructions  # noqa: E402
 from fsdp_autocast_fix import _compat, _hooks, _patch, _replay  # noqa: E402
 
 
@@ -74,6 +85,43 @@ def _paired(module: nn.Module, unsharded: nn.Module, x: torch.Tensor, rounds: in
         plain.append(_per_call_ns(unsharded, x, calls))
     return {"stock": statistics.median(stock), "patched": statistics.median(patched),
             "unsharded": statistics.median(plain), "added": statistics.median(diffs)}
+
+
+@contextlib.contextmanager
+def _prebuilt_wrapper(module: nn.Module) -> Any:
+    """Stock FSDP with its pre-hook entry called through one ``torch._dynamo.disable`` wrapper built beforehand
+    (as the patch calls it) instead of FSDP's own, which builds one per call: stock minus what the patch saves."""
+    state = _compat.load().state_of(module)
+    slot = _compat.hook_slots(state, module).entry
+    theirs = slot.get()
+    slot.set(_hooks.eager(_compat.load().bare_hook(theirs, state)))
+    try:
+        yield
+    finally:
+        slot.set(theirs)
+
+
+def _counted(module: nn.Module, unsharded: nn.Module, x: torch.Tensor, rounds: int, calls: int,
+             counter: Any) -> dict[str, float]:
+    """Instructions per call of blocks of calls, unsharded, stock, stock with a prebuilt wrapper
+    (:func:`_prebuilt_wrapper`) and patched (``counter``: an ``instructions.Counter``), each block after a few
+    uncounted calls; the medians over rounds, and the medians of the rounds' patched - stock (``added``) and
+    patched - prebuilt (``own``: the patch's own work)."""
+    def block(target: nn.Module) -> Any:
+        return lambda: [target(x.detach()) for _ in range(calls)]
+
+    variants = {"unsharded": contextlib.nullcontext, "stock": contextlib.nullcontext,
+                "prebuilt": lambda: _prebuilt_wrapper(module), "patched": fsdp_autocast_fix.patched}
+    counts: dict[str, list[float]] = {key: [] for key in (*variants, "added", "own")}
+    for _ in range(rounds):
+        for variant, context in variants.items():
+            target = unsharded if variant == "unsharded" else module
+            with context():
+                block(target)()  # uncounted: the first calls after a change
+                counts[variant].append(counter.count(block(target)) / calls)
+        counts["added"].append(counts["patched"][-1] - counts["stock"][-1])
+        counts["own"].append(counts["patched"][-1] - counts["prebuilt"][-1])
+    return {key: statistics.median(values) for key, values in counts.items()}
 
 
 class _InBackward(torch.autograd.Function):
@@ -208,12 +256,17 @@ def _hooks_directly(module: nn.Module, fp32_module: nn.Module, rounds: int, call
 def main(argv: list[str] | None = None) -> int:
     """Measure and print (or write) the overhead table."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--rounds", type=int, help="rounds (default: 200 timed, 2 counted)")
     parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions under valgrind's callgrind instead of timing")
     parser.add_argument("--json")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
-    rounds, calls = (3, 5) if args.smoke else (args.rounds, args.calls)
+    if args.instructions and not instructions.relaunched():
+        return instructions.relaunch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv)
+    rounds = args.rounds or (2 if args.instructions else 200)
+    rounds, calls = (1 if args.instructions else 3, 5) if args.smoke else (rounds, args.calls)
     logging.getLogger("fsdp_autocast_fix").setLevel(logging.ERROR)  # the direct calls replay one input on purpose
     torch.set_num_threads(1)
     with socket.socket() as s:
@@ -226,40 +279,65 @@ def main(argv: list[str] | None = None) -> int:
     unsharded, module = nn.Linear(8, 8), nn.Linear(8, 8)
     fsdp.fully_shard(module, mp_policy=policy)
     x = torch.randn(2, 8)
+    counter = instructions.Counter() if args.instructions else None
+    unit = "instructions" if args.instructions else "ns"  # the rows' keys: *_ns timed, *_instructions counted
     results: list[dict[str, Any]] = []
     for autocast in ("off", "bf16"):
         for grad in ("off", "on"):
             with torch.set_grad_enabled(grad == "on"), torch.autocast("cpu", dtype=torch.bfloat16,
                                                                       enabled=autocast == "bf16"):
                 _paired(module, unsharded, x, 2, calls)  # warm-up
-                m = _paired(module, unsharded, x, rounds, calls)
+                if counter is not None:
+                    counter.start()
+                    m = _counted(module, unsharded, x, rounds, calls, counter)
+                else:
+                    m = _paired(module, unsharded, x, rounds, calls)
             fsdp_hook = m["stock"] - m["unsharded"]
             results.append({"torch": torch.__version__, "grad": grad, "autocast": autocast,
-                            "unsharded_ns": m["unsharded"], "stock_ns": m["stock"], "patched_ns": m["patched"],
-                            "fsdp_hook_ns": fsdp_hook, "added_ns": m["added"],
-                            "added_over_fsdp_hook": m["added"] / fsdp_hook, "ratio": m["patched"] / m["stock"]})
-    covered = fsdp_autocast_fix.patched_fully_shard(nn.Linear(8, 8), mp_policy=policy)
-    fp32_covered = fsdp_autocast_fix.patched_fully_shard(nn.Linear(8, 8), mp_policy=fsdp.MixedPrecisionPolicy())
-    direct = _hooks_directly(covered, fp32_covered, rounds, calls)
-    fsdp_hook = statistics.mean(r["fsdp_hook_ns"] for r in results)
-    for r in direct:
-        r["over_fsdp_hook"] = r["ns_per_call"] / fsdp_hook
+                            f"unsharded_{unit}": m["unsharded"], f"stock_{unit}": m["stock"],
+                            f"patched_{unit}": m["patched"], f"fsdp_hook_{unit}": fsdp_hook,
+                            f"added_{unit}": m["added"], "added_over_fsdp_hook": m["added"] / fsdp_hook,
+                            "ratio": m["patched"] / m["stock"]})
+            if counter is not None:
+                results[-1].update({"prebuilt_instructions": m["prebuilt"], "own_instructions": m["own"],
+                                    "own_over_fsdp_hook": m["own"] / fsdp_hook})
+    direct = []
+    if counter is None:
+        covered = fsdp_autocast_fix.patched_fully_shard(nn.Linear(8, 8), mp_policy=policy)
+        fp32_covered = fsdp_autocast_fix.patched_fully_shard(nn.Linear(8, 8), mp_policy=fsdp.MixedPrecisionPolicy())
+        direct = _hooks_directly(covered, fp32_covered, rounds, calls)
+        fsdp_hook = statistics.mean(r["fsdp_hook_ns"] for r in results)
+        for r in direct:
+            r["over_fsdp_hook"] = r["ns_per_call"] / fsdp_hook
     dist.destroy_process_group()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results + direct, f, indent=1)
-    print("| autocast | grad | unsharded ns | stock ns | patched ns | FSDP hooks ns | added ns (paired median) "
-          "| added / FSDP hooks |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['autocast']} | {r['grad']} | {r['unsharded_ns']:.0f} | {r['stock_ns']:.0f} | "
-              f"{r['patched_ns']:.0f} | {r['fsdp_hook_ns']:.0f} | {r['added_ns']:.0f} | "
-              f"{r['added_over_fsdp_hook']:.2%} |")
-    print()
-    print(f"| the patch's own work, called directly | ns per call | of FSDP2's hook time ({fsdp_hook:.0f} ns) |")
-    print("|---|---|---|")
-    for r in direct:
-        print(f"| {r['path']} | {r['ns_per_call']:.0f} | {r['over_fsdp_hook']:.2%} |")
+    if counter is not None:
+        print("| autocast | grad | unsharded | stock | stock, prebuilt wrapper | patched | FSDP hooks "
+              "| added (patched - stock) | added / FSDP hooks | the patch's own (patched - prebuilt) "
+              "| own / FSDP hooks |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in results:
+            print(f"| {r['autocast']} | {r['grad']} | {r['unsharded_instructions']:.0f} | "
+                  f"{r['stock_instructions']:.0f} | {r['prebuilt_instructions']:.0f} | "
+                  f"{r['patched_instructions']:.0f} | {r['fsdp_hook_instructions']:.0f} | "
+                  f"{r['added_instructions']:.0f} | {r['added_over_fsdp_hook']:.2%} | {r['own_instructions']:.0f} | "
+                  f"{r['own_over_fsdp_hook']:.2%} |")
+    else:
+        print("| autocast | grad | unsharded ns | stock ns | patched ns | FSDP hooks ns | added ns (paired median) "
+              "| added / FSDP hooks |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in results:
+            print(f"| {r['autocast']} | {r['grad']} | {r['unsharded_ns']:.0f} | {r['stock_ns']:.0f} | "
+                  f"{r['patched_ns']:.0f} | {r['fsdp_hook_ns']:.0f} | {r['added_ns']:.0f} | "
+                  f"{r['added_over_fsdp_hook']:.2%} |")
+    if direct:
+        print()
+        print(f"| the patch's own work, called directly | ns per call | of FSDP2's hook time ({fsdp_hook:.0f} ns) |")
+        print("|---|---|---|")
+        for r in direct:
+            print(f"| {r['path']} | {r['ns_per_call']:.0f} | {r['over_fsdp_hook']:.2%} |")
     return 0
 
 

@@ -13,10 +13,17 @@ micro-batch; for eval inputs, the same configuration without them), so a slow ph
 both, divides out (step-to-step noise does not). The target: growth at 64 micro-batches in flight within 2 %
 (at most 1.02), flat in layers.
 
-JSON: a list of ``{"torch", "checkpoint", "layers", "micro_batches", "evals_alive", "rounds", "steps_per_timing",
-"base", "stock_ms", "patched_ms", "ratio", "growth", "growth_quartiles"}``.
+Timed, the rounds' growths spread by 10-15 % on a shared machine, far wider than the target. ``--instructions``
+counts instead the instructions each step executes, under valgrind's callgrind (``benchmarks/instructions.py``;
+needs valgrind and a C compiler): one step per count, stock and patched, 2 rounds; a count repeats within a few
+tenths of a percent, so the growth is resolved well inside 2 %. Instructions are a proxy for time: the timed
+table is the one that says what a step costs.
 
-    python benchmarks/scaling.py [--rounds 40] [--json out.json] [--smoke]
+JSON: a list of ``{"torch", "checkpoint", "layers", "micro_batches", "evals_alive", "rounds", "base", "ratio",
+"growth", "growth_quartiles"}`` plus ``"steps_per_timing", "stock_ms", "patched_ms"`` (timed) or
+``"stock_instructions", "patched_instructions"`` (counted).
+
+    python benchmarks/scaling.py [--rounds 40] [--instructions] [--json out.json] [--smoke]
 """
 
 from __future__ import annotations
@@ -38,8 +45,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fsdp_autocast_fix  # noqa: E402
+import instructions  # noqa: E402
 from fsdp_autocast_fix import _compat  # noqa: E402
 
 DIM = 16
@@ -116,29 +125,51 @@ class _Config:
         self.evals = [torch.randn(2, DIM, generator=gen) for _ in range(evals_alive)]
         self.steps = 1
 
-    def time(self, patched: bool) -> float:
-        """Seconds per step of ``self.steps`` steps, patched or stock; the eval forwards (their inputs stay alive,
-        so their records do) and clearing the gradients are outside the time."""
+    def _run(self, patched: bool, measure: Callable[[], float]) -> float:
+        """``measure()`` of this configuration's steps, patched or stock; the eval forwards (their inputs stay
+        alive, so their records do) run before it, untimed."""
         if patched:
             fsdp_autocast_fix.apply()
-        self.model.checkpointed = False
-        with torch.no_grad():
-            for e in self.evals:
-                self.model(e)
-        self.model.checkpointed = True
-        total = 0.0
-        for _ in range(self.steps):
-            start = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                outs = [self.model(x) for x in self.inputs]
-            for out in outs:
-                out.float().sum().backward()
-            total += time.perf_counter() - start
-            self.model.zero_grad(set_to_none=True)
-            for x in self.inputs:
-                x.grad = None
-        fsdp_autocast_fix.remove()
-        return total / self.steps
+        try:
+            self.model.checkpointed = False
+            with torch.no_grad():
+                for e in self.evals:
+                    self.model(e)
+            self.model.checkpointed = True
+            return measure()
+        finally:
+            fsdp_autocast_fix.remove()
+
+    def _step(self) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = [self.model(x) for x in self.inputs]
+        for out in outs:
+            out.float().sum().backward()
+
+    def _clear(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        for x in self.inputs:
+            x.grad = None
+
+    def time(self, patched: bool) -> float:
+        """Seconds per step of ``self.steps`` steps, patched or stock (clearing the gradients untimed)."""
+        def timed() -> float:
+            total = 0.0
+            for _ in range(self.steps):
+                start = time.perf_counter()
+                self._step()
+                total += time.perf_counter() - start
+                self._clear()
+            return total / self.steps
+        return self._run(patched, timed)
+
+    def instructions(self, patched: bool, counter: Any) -> int:
+        """Instructions one step executes, patched or stock (``counter``: an ``instructions.Counter``)."""
+        def counted() -> float:
+            count = counter.count(self._step)
+            self._clear()
+            return count
+        return int(self._run(patched, counted))
 
 
 def _base(key: tuple[int, int, int], first: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -160,17 +191,46 @@ def _quartiles(values: list[float]) -> list[float]:
     return [q1, q3]
 
 
-def measure(kind: str, configs: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any]]:
-    """Every configuration of one checkpoint kind, side by side: each round times each configuration stock and
-    patched (the order alternating by round), so a slow phase of the machine hits a configuration and its base
-    in the same round. Per configuration: the median step times, the median of the rounds' patched / stock, and
-    the growth: the median of the rounds' (patched / stock) / (its base's patched / stock in that round)."""
+def _bases(configs: list[tuple[int, int, int]]) -> dict[tuple[int, int, int], tuple[int, int, int]]:
     bases = {key: _base(key, configs[0]) for key in configs}
     missing = sorted(base for base in bases.values() if base not in bases)
     if missing:
         raise ValueError(f"the growth's base configurations {missing} are not among {configs}")
+    return bases
+
+
+Rounds = list[dict[tuple[int, int, int], tuple[float, float]]]  # per round: key -> (stock, patched)
+
+
+def _summary(kind: str, configs: list[tuple[int, int, int]], per_round: Rounds, unit: str,
+             scale: float) -> list[dict[str, Any]]:
+    """Per configuration: the median stock and patched costs (``stock_<unit>``, ``patched_<unit>``: the
+    measured values times ``scale``), the median of the rounds' patched / stock, and the growth: the median of
+    the rounds' (patched / stock) / (its base's patched / stock in that round)."""
+    bases = _bases(configs)
+    ratios = [{key: patched / stock for key, (stock, patched) in pairs.items()} for pairs in per_round]
+    results = []
+    for key in configs:
+        base = bases[key]
+        growth = [r[key] / r[base] for r in ratios]
+        layers, micro_batches, evals_alive = key
+        results.append({"torch": torch.__version__, "checkpoint": kind, "layers": layers,
+                        "micro_batches": micro_batches, "evals_alive": evals_alive, "rounds": len(per_round),
+                        "base": list(base),
+                        f"stock_{unit}": statistics.median(r[key][0] for r in per_round) * scale,
+                        f"patched_{unit}": statistics.median(r[key][1] for r in per_round) * scale,
+                        "ratio": statistics.median(r[key] for r in ratios), "growth": statistics.median(growth),
+                        "growth_quartiles": _quartiles(growth)})
+    return results
+
+
+def measure(kind: str, configs: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any]]:
+    """Every configuration of one checkpoint kind, side by side: each round times each configuration stock and
+    patched (the order alternating by round), so a slow phase of the machine hits a configuration and its base
+    in the same round (:func:`_summary`)."""
+    _bases(configs)
     cells = [_Config(kind, *key) for key in configs]
-    per_round: list[dict[tuple[int, int, int], tuple[float, float]]] = []  # key -> (stock, patched) seconds
+    per_round: Rounds = []  # seconds
     for i in range(rounds + 1):  # round 0 warms up and sets each configuration's steps per timing
         pairs = {}
         for cell in cells:
@@ -181,19 +241,29 @@ def measure(kind: str, configs: list[tuple[int, int, int]], rounds: int) -> list
                 cell.steps = max(1, round(MIN_TIMING_S / t[False]))
         if i:
             per_round.append(pairs)
-    ratios = [{key: patched / stock for key, (stock, patched) in pairs.items()} for pairs in per_round]
+    results = _summary(kind, configs, per_round, "ms", 1e3)
+    for row, cell in zip(results, cells):
+        row["steps_per_timing"] = cell.steps
+    return results
+
+
+def count(kinds: list[str], configs: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any]]:
+    """Every configuration of every checkpoint kind in instructions, in a process :func:`instructions.relaunch`
+    started: each configuration runs a step stock and patched untimed before counting starts, then each round
+    counts one step of each, stock and patched (:func:`_summary`; the counts of a step repeat within a few
+    tenths of a percent, see ``instructions.Counter``)."""
+    _bases(configs)
+    counter = instructions.Counter()
+    cells = {kind: [_Config(kind, *key) for key in configs] for kind in kinds}
+    for cell in (cell for kind in kinds for cell in cells[kind]):  # warm-up, uninstrumented
+        cell.time(False)
+        cell.time(True)
+    counter.start()
     results = []
-    for cell in cells:
-        key, base = cell.key, bases[cell.key]
-        growth = [r[key] / r[base] for r in ratios]
-        layers, micro_batches, evals_alive = key
-        results.append({"torch": torch.__version__, "checkpoint": kind, "layers": layers,
-                        "micro_batches": micro_batches, "evals_alive": evals_alive, "rounds": rounds,
-                        "steps_per_timing": cell.steps, "base": list(base),
-                        "stock_ms": statistics.median(r[key][0] for r in per_round) * 1e3,
-                        "patched_ms": statistics.median(r[key][1] for r in per_round) * 1e3,
-                        "ratio": statistics.median(r[key] for r in ratios), "growth": statistics.median(growth),
-                        "growth_quartiles": _quartiles(growth)})
+    for kind in kinds:
+        per_round: Rounds = [{cell.key: (cell.instructions(False, counter), cell.instructions(True, counter))
+                              for cell in cells[kind]} for _ in range(rounds)]
+        results += _summary(kind, configs, per_round, "instructions", 1)
     return results
 
 
@@ -206,31 +276,46 @@ SMOKE_CONFIGS = [(2, 1, 0), (2, 3, 0), (2, 3, 2)]
 def main(argv: list[str] | None = None) -> int:
     """Measure every configuration for both checkpoints; print a markdown table (and write JSON)."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=int, help="rounds (default: 40 timed, 2 counted)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions under valgrind's callgrind instead of timing")
     parser.add_argument("--json")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
-    configs, rounds = (SMOKE_CONFIGS, 1) if args.smoke else (CONFIGS, args.rounds)
+    if args.instructions and not instructions.relaunched():
+        return instructions.relaunch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv)
+    rounds = args.rounds or (2 if args.instructions else 40)
+    configs, rounds = (SMOKE_CONFIGS, 1) if args.smoke else (CONFIGS, rounds)
     logging.getLogger("fsdp_autocast_fix").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    results = [r for kind in ("torch", "function") for r in measure(kind, configs, rounds)]
+    kinds = ["torch", "function"]
+    if args.instructions:
+        results = count(kinds, configs, rounds)
+    else:
+        results = [r for kind in kinds for r in measure(kind, configs, rounds)]
     dist.destroy_process_group()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    print("| checkpoint | layers | micro-batches in flight | eval inputs alive | stock ms | patched ms "
-          "| patched / stock | growth (against) | growth's quartiles |")
+    unit, spread = ("instructions (M)", "rounds") if args.instructions else ("ms", "growth's quartiles")
+    print(f"| checkpoint | layers | micro-batches in flight | eval inputs alive | stock {unit} | patched {unit} "
+          f"| patched / stock | growth (against) | {spread} |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         against = "" if r["base"] == [r["layers"], r["micro_batches"], r["evals_alive"]] else \
             " ({}, {}, {})".format(*r["base"])
+        if args.instructions:
+            stock, patched = r["stock_instructions"] / 1e6, r["patched_instructions"] / 1e6
+            last = str(r["rounds"])
+        else:
+            stock, patched = r["stock_ms"], r["patched_ms"]
+            last = "{:.3f}–{:.3f}".format(*r["growth_quartiles"])
         print(f"| {r['checkpoint']} | {r['layers']} | {r['micro_batches']} | {r['evals_alive']} | "
-              f"{r['stock_ms']:.1f} | {r['patched_ms']:.1f} | {r['ratio']:.3f} | {r['growth']:.3f}{against} | "
-              "{:.3f}–{:.3f} |".format(*r["growth_quartiles"]))
+              f"{stock:.1f} | {patched:.1f} | {r['ratio']:.4f} | {r['growth']:.4f}{against} | {last} |")
     return 0
 
 

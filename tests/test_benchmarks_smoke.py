@@ -48,6 +48,19 @@ def test_hook_overhead_smoke(tmp_path) -> None:
         assert all(isinstance(v, (int, float, str)) for v in r.values())
 
 
+def test_hook_overhead_instructions_smoke(tmp_path) -> None:
+    out = tmp_path / "hooks_instructions.json"
+    _run("hook_overhead.py", "--instructions", "--smoke", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert sorted((r["autocast"], r["grad"]) for r in results) == [("bf16", "off"), ("bf16", "on"), ("off", "off"),
+                                                                   ("off", "on")]
+    for r in results:
+        counts = [r[f"{what}_instructions"] for what in ("unsharded", "stock", "prebuilt", "patched")]
+        assert all(count > 0 for count in counts)
+        assert r["fsdp_hook_instructions"] == r["stock_instructions"] - r["unsharded_instructions"]
+        assert r["own_instructions"] == r["patched_instructions"] - r["prebuilt_instructions"]  # one round
+
+
 def test_ab_step_smoke(tmp_path) -> None:
     out = tmp_path / "ab.json"
     _run("ab_step.py", "--smoke", "--json", str(out))
@@ -76,3 +89,17 @@ def test_scaling_smoke(tmp_path) -> None:
         assert r["stock_ms"] > 0 and r["patched_ms"] > 0 and r["growth"] > 0
         if r["base"] == [r["layers"], r["micro_batches"], r["evals_alive"]]:
             assert r["growth"] == 1.0  # a configuration against itself, round by round
+
+
+def test_scaling_instructions_smoke(tmp_path) -> None:
+    out = tmp_path / "scaling_instructions.json"
+    _run("scaling.py", "--instructions", "--smoke", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert {r["checkpoint"] for r in results} == {"torch", "function"}
+    for r in results:
+        assert {"torch", "layers", "micro_batches", "evals_alive", "rounds", "base", "stock_instructions",
+                "patched_instructions", "ratio", "growth", "growth_quartiles"} <= set(r)
+        assert r["stock_instructions"] > 0 and r["patched_instructions"] > 0
+        assert r["ratio"] == r["patched_instructions"] / r["stock_instructions"]  # one round: its own ratio
+        if r["base"] == [r["layers"], r["micro_batches"], r["evals_alive"]]:
+            assert r["growth"] == 1.0
