@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _scaling(ax: object) -> None:
     """The cost growth against micro-batches in flight (8 layers): each torch and checkpoint's patched / stock over
-    its value at 1 micro-batch, measured in the same rounds (the median, bars from the first to the third
-    quartile of the rounds), timed (solid) and counted in instructions (dashed); the target band (within 2 %)
-    shaded."""
+    its value at 1 micro-batch, measured in the same rounds (the median; bars from the first to the third
+    quartile of the rounds timed, from the lowest to the highest of the few rounds counted), timed (solid) and
+    counted in instructions (dashed); the target band (within 2 %) shaded."""
     for prefix, style, what in (("scaling", "-", "time"), ("scaling_instructions", "--", "instructions")):
         for torch in ("2.12.1", "2.13.0"):
             path = RESULTS / f"{prefix}-{torch}.json"
@@ -64,7 +64,8 @@ def _scaling(ax: object) -> None:
                 continue
             rows = json.loads(path.read_text())
             for kind in ("torch", "function"):
-                line = sorted((r["micro_batches"], r["growth"], r["growth_quartiles"]) for r in rows
+                line = sorted((r["micro_batches"], r["growth"], r.get("growth_quartiles") or r["growth_range"])
+                              for r in rows
                               if r["checkpoint"] == kind and r["layers"] == 8 and r["evals_alive"] == 0)
                 ax.errorbar([k for k, _, _ in line], [v for _, v, _ in line],  # type: ignore[attr-defined]
                             yerr=[[v - q[0] for _, v, q in line], [q[1] - v for _, v, q in line]], marker="o",

@@ -18,15 +18,15 @@ measured on the hooks directly, ``path`` (``ordinary``, ``ordinary-autocast``, `
 ``ns_per_call``, ``over_fsdp_hook``.
 
 ``--instructions`` counts, instead of timing, the instructions of the blocks of calls under valgrind's callgrind
-(``benchmarks/instructions.py``; needs valgrind and a C compiler): unsharded, stock and patched, per row, 2
-rounds; the added cost is then resolved to a few instructions where the timed difference spreads by
-microseconds. Rows only (``*_instructions`` keys in place of ``*_ns``), no direct paths; each row also counts
-stock with FSDP's pre-hook called through one prebuilt ``torch._dynamo.disable`` wrapper, as the patch calls it
-(FSDP's own builds one per call): ``prebuilt_instructions``, and the patch's own work ``own_instructions``
-(patched - prebuilt), ``own_over_fsdp_hook``. Instructions are a proxy for time, not time (a cache miss counts as
-one).
+(``benchmarks/instructions.py``; needs valgrind and a C compiler): unsharded, stock, prebuilt (below) and patched,
+per row, 2 rounds (``rounds`` and ``calls`` per block in each row); the added cost is then resolved to a few
+instructions where the timed difference spreads by microseconds. Rows only (``*_instructions`` keys in place of
+``*_ns``), no direct paths; each row also counts stock with FSDP's pre-hook called through one prebuilt
+``torch._dynamo.disable`` wrapper, as the patch calls it (FSDP's own builds one per call):
+``prebuilt_instructions``, and the patch's own work ``own_instructions`` (patched - prebuilt),
+``own_over_fsdp_hook``. Instructions are a proxy for time, not time (a cache miss counts as one).
 
-    python benchmarks/hook_overhead.py [--rounds 200] [--calls 200] [--instructions] [--json out.json] [--smoke]
+    python benchmarks/hook_overhead.py [--rounds 200] [--calls 100] [--instructions] [--json out.json] [--smoke]
 """
 
 from __future__ import annotations
@@ -105,16 +105,16 @@ def _counted(module: nn.Module, unsharded: nn.Module, x: torch.Tensor, rounds: i
              counter: Any) -> dict[str, float]:
     """Instructions per call of blocks of calls, unsharded, stock, stock with a prebuilt wrapper
     (:func:`_prebuilt_wrapper`) and patched (``counter``: an ``instructions.Counter``), each block after a few
-    uncounted calls; the medians over rounds, and the medians of the rounds' patched - stock (``added``) and
-    patched - prebuilt (``own``: the patch's own work)."""
+    uncounted calls, in an order reversed every round; the medians over rounds, and the medians of the rounds'
+    patched - stock (``added``) and patched - prebuilt (``own``: the patch's own work)."""
     def block(target: nn.Module) -> Any:
         return lambda: [target(x.detach()) for _ in range(calls)]
 
     variants = {"unsharded": contextlib.nullcontext, "stock": contextlib.nullcontext,
                 "prebuilt": lambda: _prebuilt_wrapper(module), "patched": fsdp_autocast_fix.patched}
     counts: dict[str, list[float]] = {key: [] for key in (*variants, "added", "own")}
-    for _ in range(rounds):
-        for variant, context in variants.items():
+    for i in range(rounds):
+        for variant, context in list(variants.items())[::-1 if i % 2 else 1]:
             target = unsharded if variant == "unsharded" else module
             with context():
                 block(target)()  # uncounted: the first calls after a change
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                             "ratio": m["patched"] / m["stock"]})
             if counter is not None:
                 results[-1].update({"prebuilt_instructions": m["prebuilt"], "own_instructions": m["own"],
-                                    "own_over_fsdp_hook": m["own"] / fsdp_hook})
+                                    "own_over_fsdp_hook": m["own"] / fsdp_hook, "rounds": rounds, "calls": calls})
     direct = []
     if counter is None:
         covered = fsdp_autocast_fix.patched_fully_shard(nn.Linear(8, 8), mp_policy=policy)

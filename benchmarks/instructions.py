@@ -6,9 +6,10 @@ them resolve differences far below that (the cost growth's 2 % target, ``benchma
 a proxy for time, not time: they weigh a cache miss as one instruction.
 
 :func:`relaunch` runs a script again under callgrind, with instrumentation off (fast) until the script calls
-:meth:`Counter.start` and collection off except inside :meth:`Counter.count`. Each count is one dump of
-callgrind's counters, read back from its file. The toggles are valgrind's client requests, from a small C
-library built here with the system's C compiler against valgrind's header (``valgrind/callgrind.h``).
+:meth:`Counter.start`. From there callgrind counts every thread (gloo's collectives run on threads of its
+own), and each :meth:`Counter.count` zeroes the counters of all threads, runs its block and dumps them, read
+back from the dump's file. The zeroing and dumping are valgrind's client requests, from a small C library built
+here with the system's C compiler against valgrind's header (``valgrind/callgrind.h``).
 
     from instructions import Counter, relaunch
 """
@@ -18,19 +19,19 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from typing import Callable
 
-#: Set in the relaunched process: the toggle library's path, and where callgrind writes its dumps.
-LIBRARY_ENV, DUMPS_ENV = "INSTRUCTIONS_TOGGLE_LIBRARY", "INSTRUCTIONS_DUMPS"
+#: Set in the relaunched process: the client-request library's path, and where callgrind writes its dumps.
+LIBRARY_ENV, DUMPS_ENV = "INSTRUCTIONS_REQUESTS_LIBRARY", "INSTRUCTIONS_DUMPS"
 
 _SOURCE = r"""
 #include <valgrind/callgrind.h>
 void start_instrumentation(void) { CALLGRIND_START_INSTRUMENTATION; }
-void toggle_collect(void) { CALLGRIND_TOGGLE_COLLECT; }
 void zero_stats(void) { CALLGRIND_ZERO_STATS; }
 void dump_stats(void) { CALLGRIND_DUMP_STATS; }
 int running_on_valgrind(void) { return RUNNING_ON_VALGRIND; }
@@ -38,17 +39,17 @@ int running_on_valgrind(void) { return RUNNING_ON_VALGRIND; }
 
 
 def _build(directory: str) -> str:
-    """The toggle library, compiled into ``directory``; a clear error where the tools are missing."""
+    """The client-request library, compiled into ``directory``; a clear error where the tools are missing."""
     missing = [tool for tool in ("valgrind", "cc") if shutil.which(tool) is None]
     if missing:
         raise RuntimeError(f"counting instructions needs {' and '.join(missing)} (valgrind's callgrind and a C "
                            "compiler with valgrind's headers)")
-    source, library = os.path.join(directory, "toggle.c"), os.path.join(directory, "libtoggle.so")
+    source, library = os.path.join(directory, "requests.c"), os.path.join(directory, "librequests.so")
     with open(source, "w") as f:
         f.write(_SOURCE)
     built = subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", library, source], capture_output=True, text=True)
     if built.returncode:
-        raise RuntimeError(f"could not build the callgrind toggle library (valgrind's headers missing?):\n"
+        raise RuntimeError(f"could not build the callgrind client-request library (valgrind's headers missing?):\n"
                            f"{built.stderr}")
     return library
 
@@ -60,24 +61,35 @@ def relaunched() -> bool:
 
 def relaunch(script: str, args: list[str]) -> int:
     """Run ``script`` with ``args`` again in this Python under callgrind (see the module docstring), hash seed
-    fixed so that every run executes alike; its exit status."""
+    fixed so that every run executes alike; its exit status (callgrind's log is printed where it fails).
+
+    Callgrind's options are all set here (``VALGRIND_OPTS`` is dropped): one dump file per dump, every thread's
+    counts summed in it, as :meth:`Counter.count` reads them."""
     with tempfile.TemporaryDirectory() as directory:
-        env = dict(os.environ, PYTHONHASHSEED="0", **{LIBRARY_ENV: _build(directory), DUMPS_ENV: directory})
-        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
-                   f"--callgrind-out-file={os.path.join(directory, 'dump.%p')}",
-                   f"--log-file={os.path.join(directory, 'valgrind.log')}", sys.executable, "-W", "ignore",
-                   script, *args]
-        return subprocess.run(command, env=env).returncode
+        env = {k: v for k, v in os.environ.items() if k != "VALGRIND_OPTS"}
+        env.update(PYTHONHASHSEED="0", **{LIBRARY_ENV: _build(directory), DUMPS_ENV: directory})
+        log = os.path.join(directory, "valgrind.log")
+        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=yes",
+                   "--separate-threads=no", "--combine-dumps=no",
+                   f"--callgrind-out-file={os.path.join(directory, 'dump.%p')}", f"--log-file={log}",
+                   sys.executable, "-W", "ignore", script, *args]
+        status = subprocess.run(command, env=env).returncode
+        if status and os.path.exists(log):
+            with open(log) as f:
+                print("callgrind's log:\n" + "".join(f.readlines()[-40:]), file=sys.stderr)
+        return status
 
 
 class Counter:
     """Counts in the relaunched process: :meth:`start` once the untimed warm-up is done, then :meth:`count`.
 
-    Invariant: :meth:`count` returns the instructions executed by ``block()`` on every thread (callgrind
-    serialises them), and nothing else: collection is on exactly while it runs, and each count reads a dump of
-    counters zeroed right before it. Each block starts right after a full garbage collection (uncounted), so the
-    collections a block triggers are its own, and a count repeats from run to run within a few tenths of a
-    percent (addresses, and so the order of dicts keyed by them, still differ)."""
+    Invariant: :meth:`count` returns the instructions executed on every thread from right before ``block()`` to
+    right after it: the block's, what other threads do meanwhile (the collectives it waits for), and a constant
+    of about 2,000 for the count's own calls into the library, which cancels in every difference and ratio.
+    Each count reads the dump of counters zeroed right before it, checked by its part number. Each block starts
+    right after a full garbage collection (uncounted), so the collections a block triggers are its own, and a
+    count repeats from run to run within a few tenths of a percent (addresses, and so the order of dicts keyed
+    by them, still differ)."""
 
     def __init__(self) -> None:
         if not relaunched():
@@ -93,18 +105,23 @@ class Counter:
         self._lib.start_instrumentation()
 
     def count(self, block: Callable[[], object]) -> int:
-        """The instructions ``block()`` executes."""
+        """The instructions ``block()`` executes (see the class docstring); a block that raises is not counted."""
         gc.collect()
         self._lib.zero_stats()
-        self._lib.toggle_collect()
         try:
             block()
         finally:
-            self._lib.toggle_collect()
             self._lib.dump_stats()
-        self._dumps += 1
-        with open(f"{self._prefix}.{self._dumps}") as f:
-            for line in f:
-                if line.startswith("totals:") or line.startswith("summary:"):
-                    return int(line.split()[1])
-        raise RuntimeError(f"no totals in callgrind's dump {self._prefix}.{self._dumps}")
+            self._dumps += 1
+        path = f"{self._prefix}.{self._dumps}"
+        with open(path, "rb") as f:  # one read, few objects: what a count leaves on the heap shifts the next
+            dump = f.read()
+        os.remove(path)
+        found = dict(re.findall(rb"^(part|summary|totals): (\d+)", dump, re.M))
+        del dump
+        part = int(found[b"part"]) if b"part" in found else None
+        total = int(found.get(b"summary") or found[b"totals"]) if found.keys() & {b"summary", b"totals"} else None
+        if part != self._dumps or total is None:
+            raise RuntimeError(f"callgrind's dump {path} is part {part} with totals {total}; expected part "
+                               f"{self._dumps} with totals")
+        return total

@@ -15,13 +15,13 @@ both, divides out (step-to-step noise does not). The target: growth at 64 micro-
 
 Timed, the rounds' growths spread by 10-15 % on a shared machine, far wider than the target. ``--instructions``
 counts instead the instructions each step executes, under valgrind's callgrind (``benchmarks/instructions.py``;
-needs valgrind and a C compiler): one step per count, stock and patched, 2 rounds; a count repeats within a few
-tenths of a percent, so the growth is resolved well inside 2 %. Instructions are a proxy for time: the timed
-table is the one that says what a step costs.
+needs valgrind and a C compiler): one step per count, the second in its state, stock and patched, 2 rounds; a count
+repeats within a few tenths of a percent, so the growth is resolved well inside 2 %. Instructions are a proxy for
+time: the timed table is the one that says what a step costs.
 
 JSON: a list of ``{"torch", "checkpoint", "layers", "micro_batches", "evals_alive", "rounds", "base", "ratio",
-"growth", "growth_quartiles"}`` plus ``"steps_per_timing", "stock_ms", "patched_ms"`` (timed) or
-``"stock_instructions", "patched_instructions"`` (counted).
+"growth"}`` plus ``"steps_per_timing", "stock_ms", "patched_ms", "growth_quartiles"`` (timed) or
+``"stock_instructions", "patched_instructions", "growth_range"`` (counted).
 
     python benchmarks/scaling.py [--rounds 40] [--instructions] [--json out.json] [--smoke]
 """
@@ -164,8 +164,12 @@ class _Config:
         return self._run(patched, timed)
 
     def instructions(self, patched: bool, counter: Any) -> int:
-        """Instructions one step executes, patched or stock (``counter``: an ``instructions.Counter``)."""
+        """Instructions one step executes, patched or stock (``counter``: an ``instructions.Counter``): the
+        second step in that state, so that what the first step after ``apply()`` or ``remove()`` does once is
+        not counted as a cost per step."""
         def counted() -> float:
+            self._step()
+            self._clear()
             count = counter.count(self._step)
             self._clear()
             return count
@@ -206,7 +210,8 @@ def _summary(kind: str, configs: list[tuple[int, int, int]], per_round: Rounds, 
              scale: float) -> list[dict[str, Any]]:
     """Per configuration: the median stock and patched costs (``stock_<unit>``, ``patched_<unit>``: the
     measured values times ``scale``), the median of the rounds' patched / stock, and the growth: the median of
-    the rounds' (patched / stock) / (its base's patched / stock in that round)."""
+    the rounds' (patched / stock) / (its base's patched / stock in that round), with its spread over the rounds
+    (timed: ``growth_quartiles``; counted, in a few rounds: ``growth_range``, the lowest and highest)."""
     bases = _bases(configs)
     ratios = [{key: patched / stock for key, (stock, patched) in pairs.items()} for pairs in per_round]
     results = []
@@ -220,7 +225,8 @@ def _summary(kind: str, configs: list[tuple[int, int, int]], per_round: Rounds, 
                         f"stock_{unit}": statistics.median(r[key][0] for r in per_round) * scale,
                         f"patched_{unit}": statistics.median(r[key][1] for r in per_round) * scale,
                         "ratio": statistics.median(r[key] for r in ratios), "growth": statistics.median(growth),
-                        "growth_quartiles": _quartiles(growth)})
+                        **({"growth_range": [min(growth), max(growth)]} if unit == "instructions" else
+                           {"growth_quartiles": _quartiles(growth)})})
     return results
 
 
@@ -250,8 +256,8 @@ def measure(kind: str, configs: list[tuple[int, int, int]], rounds: int) -> list
 def count(kinds: list[str], configs: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any]]:
     """Every configuration of every checkpoint kind in instructions, in a process :func:`instructions.relaunch`
     started: each configuration runs a step stock and patched untimed before counting starts, then each round
-    counts one step of each, stock and patched (:func:`_summary`; the counts of a step repeat within a few
-    tenths of a percent, see ``instructions.Counter``)."""
+    counts one step of each, stock and patched, the order alternating by round (:func:`_summary`; the counts
+    of a step repeat within a few tenths of a percent, see ``instructions.Counter``)."""
     _bases(configs)
     counter = instructions.Counter()
     cells = {kind: [_Config(kind, *key) for key in configs] for kind in kinds}
@@ -261,8 +267,14 @@ def count(kinds: list[str], configs: list[tuple[int, int, int]], rounds: int) ->
     counter.start()
     results = []
     for kind in kinds:
-        per_round: Rounds = [{cell.key: (cell.instructions(False, counter), cell.instructions(True, counter))
-                              for cell in cells[kind]} for _ in range(rounds)]
+        per_round: Rounds = []
+        for i in range(rounds):
+            pairs = {}
+            for cell in cells[kind]:
+                order = (False, True) if i % 2 == 0 else (True, False)
+                n = {patched: cell.instructions(patched, counter) for patched in order}
+                pairs[cell.key] = (n[False], n[True])
+            per_round.append(pairs)
         results += _summary(kind, configs, per_round, "instructions", 1)
     return results
 
@@ -301,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    unit, spread = ("instructions (M)", "rounds") if args.instructions else ("ms", "growth's quartiles")
+    unit, spread = (("instructions (M)", "rounds (growth's range)") if args.instructions
+                    else ("ms", "growth's quartiles"))
     print(f"| checkpoint | layers | micro-batches in flight | eval inputs alive | stock {unit} | patched {unit} "
           f"| patched / stock | growth (against) | {spread} |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -310,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             " ({}, {}, {})".format(*r["base"])
         if args.instructions:
             stock, patched = r["stock_instructions"] / 1e6, r["patched_instructions"] / 1e6
-            last = str(r["rounds"])
+            last = "{} ({:.4f}–{:.4f})".format(r["rounds"], *r["growth_range"])
         else:
             stock, patched = r["stock_ms"], r["patched_ms"]
             last = "{:.3f}–{:.3f}".format(*r["growth_quartiles"])
