@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                       enabled=autocast == "bf16"):
                 _paired(module, unsharded, x, 2, calls)  # warm-up
                 if counter is not None:
-                    counter.start()
+                    counter.start()  # once the first row's warm-up is done; a no-op after
                     m = _counted(module, unsharded, x, rounds, calls, counter)
                 else:
                     m = _paired(module, unsharded, x, rounds, calls)

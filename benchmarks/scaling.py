@@ -206,12 +206,24 @@ def _bases(configs: list[tuple[int, int, int]]) -> dict[tuple[int, int, int], tu
 Rounds = list[dict[tuple[int, int, int], tuple[float, float]]]  # per round: key -> (stock, patched)
 
 
+def _round(cells: list[_Config], i: int, cost: Callable[[_Config, bool], float]) -> dict[tuple[int, int, int],
+                                                                                        tuple[float, float]]:
+    """Round ``i``: ``cost(cell, patched)`` of every cell, stock and patched, the order alternating by round."""
+    pairs = {}
+    for cell in cells:
+        order = (True, False) if i % 2 == 0 else (False, True)
+        c = {patched: cost(cell, patched) for patched in order}
+        pairs[cell.key] = (c[False], c[True])
+    return pairs
+
+
 def _summary(kind: str, configs: list[tuple[int, int, int]], per_round: Rounds, unit: str,
-             scale: float) -> list[dict[str, Any]]:
+             scale: float, spread: str) -> list[dict[str, Any]]:
     """Per configuration: the median stock and patched costs (``stock_<unit>``, ``patched_<unit>``: the
     measured values times ``scale``), the median of the rounds' patched / stock, and the growth: the median of
     the rounds' (patched / stock) / (its base's patched / stock in that round), with its spread over the rounds
-    (timed: ``growth_quartiles``; counted, in a few rounds: ``growth_range``, the lowest and highest)."""
+    (``spread``: ``"quartiles"``, ``growth_quartiles``, for many rounds; ``"range"``, ``growth_range``, the
+    lowest and highest, for a few)."""
     bases = _bases(configs)
     ratios = [{key: patched / stock for key, (stock, patched) in pairs.items()} for pairs in per_round]
     results = []
@@ -225,8 +237,7 @@ def _summary(kind: str, configs: list[tuple[int, int, int]], per_round: Rounds, 
                         f"stock_{unit}": statistics.median(r[key][0] for r in per_round) * scale,
                         f"patched_{unit}": statistics.median(r[key][1] for r in per_round) * scale,
                         "ratio": statistics.median(r[key] for r in ratios), "growth": statistics.median(growth),
-                        **({"growth_range": [min(growth), max(growth)]} if unit == "instructions" else
-                           {"growth_quartiles": _quartiles(growth)})})
+                        f"growth_{spread}": [min(growth), max(growth)] if spread == "range" else _quartiles(growth)})
     return results
 
 
@@ -236,18 +247,10 @@ def measure(kind: str, configs: list[tuple[int, int, int]], rounds: int) -> list
     in the same round (:func:`_summary`)."""
     _bases(configs)
     cells = [_Config(kind, *key) for key in configs]
-    per_round: Rounds = []  # seconds
-    for i in range(rounds + 1):  # round 0 warms up and sets each configuration's steps per timing
-        pairs = {}
-        for cell in cells:
-            order = (False, True) if i % 2 else (True, False)
-            t = {patched: cell.time(patched) for patched in order}
-            pairs[cell.key] = (t[False], t[True])
-            if i == 0:
-                cell.steps = max(1, round(MIN_TIMING_S / t[False]))
-        if i:
-            per_round.append(pairs)
-    results = _summary(kind, configs, per_round, "ms", 1e3)
+    for cell, (stock, _) in zip(cells, _round(cells, 0, _Config.time).values()):  # warm-up: steps per timing
+        cell.steps = max(1, round(MIN_TIMING_S / stock))
+    per_round: Rounds = [_round(cells, i, _Config.time) for i in range(1, rounds + 1)]  # seconds
+    results = _summary(kind, configs, per_round, "ms", 1e3, "quartiles")
     for row, cell in zip(results, cells):
         row["steps_per_timing"] = cell.steps
     return results
@@ -267,15 +270,9 @@ def count(kinds: list[str], configs: list[tuple[int, int, int]], rounds: int) ->
     counter.start()
     results = []
     for kind in kinds:
-        per_round: Rounds = []
-        for i in range(rounds):
-            pairs = {}
-            for cell in cells[kind]:
-                order = (False, True) if i % 2 == 0 else (True, False)
-                n = {patched: cell.instructions(patched, counter) for patched in order}
-                pairs[cell.key] = (n[False], n[True])
-            per_round.append(pairs)
-        results += _summary(kind, configs, per_round, "instructions", 1)
+        per_round = [_round(cells[kind], i, lambda cell, patched: cell.instructions(patched, counter))
+                     for i in range(rounds)]
+        results += _summary(kind, configs, per_round, "instructions", 1, "range")
     return results
 
 
