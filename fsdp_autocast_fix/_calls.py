@@ -10,9 +10,11 @@ Invariant of :class:`CallLog`: a recompute finds a recorded call exactly when it
 call's leaves or ``detach()``es of them, in the same order; several calls are found only when they got the very
 same leaves, or views of the same memory alike in shape, stride, dtype and device (which a ``detach()`` of
 either cannot tell apart). Leaves that are not plain tensors (DTensor, other subclasses) match only themselves.
-A record is a few scalars and weak references: it goes as soon as any of its leaves is freed, and it costs the
-same whether one call or a thousand are alive (both lookups are one dict access, plus the checks of the records
-that share the key).
+A record is a few scalars and plain weak references (no callback): once any of its leaves is freed it is dead,
+found by no lookup, and replaced by the next record under its key or swept when the log has doubled since its last
+sweep, so the log holds at most twice the most records alive at once (and :data:`SWEEP_FLOOR`). It costs the same
+whether one call or a thousand are alive (both lookups are one dict access, plus the checks of the records that
+share the key; a sweep visits each record once per doubling).
 """
 
 from __future__ import annotations
@@ -29,17 +31,7 @@ _Parameter = torch.nn.Parameter
 _PLAIN = (_Tensor, _Parameter)
 
 
-class _KeyedRef(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a recorded leaf that knows its record's key."""
-
-    __slots__ = ("key",)
-    key: Any
-
-
-def _ref(t: torch.Tensor, key: Any, callback: Any) -> _KeyedRef:
-    ref = _KeyedRef(t, callback)
-    ref.key = key
-    return ref
+_ref = weakref.ref
 
 
 def leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -112,6 +104,11 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+def _alive(record: tuple[Any, ...]) -> bool:
+    """Whether none of the record's leaves was freed."""
+    return all(ref() is not None for ref in record[_REFS])
+
+
 def _matches(record: tuple[Any, ...], tensors: Any, exact: bool) -> bool:
     """Whether ``tensors`` are the record's leaves (``exact``) or they and ``detach()``es of them."""
     refs = record[_REFS]
@@ -126,6 +123,8 @@ def _matches(record: tuple[Any, ...], tensors: Any, exact: bool) -> bool:
     return True
 
 
+#: The fewest records a log holds before it sweeps its dead ones (a leaf freed); then twice those alive after a sweep.
+SWEEP_FLOOR = 64
 #: The most states one record keeps; where more are merged in, the oldest go and the record's stamps no longer
 #: tell its calls apart (:data:`LOST`).
 MAX_CALLS = 16
@@ -158,14 +157,15 @@ class CallLog:
     ``by_key`` maps the leaves' identities to the record, in the order the records were made. The detach index
     (``by_memory``: detach key -> the keys of the records made on that memory; ``indexed``: key -> its detach key)
     is brought up to date at a lookup that needs it, from the end of ``by_key`` back to the first record indexed
-    already: the records indexed are always the first ones of ``by_key``, so each record is indexed once and
-    an ordinary call costs the same however many calls are alive.
+    already: the records indexed are always the first ones of ``by_key`` (a record made again under a key is
+    moved to the end, out of the index), so each record is indexed once and an ordinary call costs the same
+    however many calls are alive. ``sweep_at``: the size of ``by_key`` at which the dead records are swept.
 
     ``unkeyed`` is the latest call with no leaves at all (only parameters, or no tensor): a recompute that finds
     no record replays it. ``last`` is the latest call's state, for the warning on a recompute that finds none.
     """
 
-    __slots__ = ("by_key", "by_memory", "indexed", "unkeyed", "last", "_forget_ref", "__weakref__")
+    __slots__ = ("by_key", "by_memory", "indexed", "unkeyed", "last", "sweep_at", "__weakref__")
 
     def __init__(self) -> None:
         self.by_key: dict[Any, tuple[Any, ...]] = {}
@@ -173,19 +173,11 @@ class CallLog:
         self.indexed: dict[Any, Any] = {}
         self.unkeyed: Any = None
         self.last: Any = None
-        self_ref = weakref.ref(self)
-
-        def forget(ref: Any, self_ref: Any = self_ref) -> None:  # a recorded leaf was freed: drop its record
-            log = self_ref()
-            if log is not None:
-                record = log.by_key.get(ref.key)
-                if record is not None and ref in record[_REFS]:  # a dead reference equals only itself
-                    log._drop(ref.key)
-
-        self._forget_ref = forget
+        self.sweep_at = SWEEP_FLOOR
 
     def __len__(self) -> int:
-        return len(self.by_key)
+        """The records alive (none of their leaves freed)."""
+        return sum(1 for record in list(self.by_key.values()) if _alive(record))
 
     # -- the hot path: one record per ordinary call -------------------------------------------------------
 
@@ -196,35 +188,38 @@ class CallLog:
         ``stamp``: autograd's sequence number when a call runs without grad (reentrant-style checkpoints run
         their forward so), else -1; it tells a checkpoint's own call from an eval pass on the same leaves."""
         self.last = call
+        by_key = self.by_key
         if len(tensors) == 1:
             x = tensors[0]
             key: Any = id(x)
-            seen = self.by_key.get(key)
-            if seen is None or not _matches(seen, tensors, exact=True):
-                if seen is not None:
+            try:
+                version = x._version
+            except RuntimeError:  # an inference tensor
+                version = -1
+            seen = by_key.get(key)
+            if seen is not None:  # the same leaf again; or a dead record under a reused id, or one changed in place
+                if seen[_REFS][0]() is x and seen[_VERSIONS][0] == version:
+                    self._again(key, seen, (call, stamp))
+                    return
+                if key in self.indexed:  # the old record goes (the new one to the end, out of the index)
                     self._drop(key)
-                ref = _KeyedRef(x, self._forget_ref)
-                ref.key = key
-                try:
-                    version = x._version
-                except RuntimeError:  # an inference tensor
-                    version = -1
-                self.by_key[key] = ((ref,), (version,), ((call, stamp),))
-                return
+                else:
+                    del by_key[key]
+            by_key[key] = ((_ref(x),), (version,), ((call, stamp),))
         elif tensors:
             key = tuple(map(id, tensors))
-            seen = self.by_key.get(key)
-            if seen is None or not _matches(seen, tensors, exact=True):
-                if seen is not None:
-                    self._drop(key)
-                forget = self._forget_ref
-                self.by_key[key] = (tuple([_ref(t, key, forget) for t in tensors]),
-                                    tuple([_version(t) for t in tensors]), ((call, stamp),))
-                return
+            seen = by_key.get(key)
+            if seen is not None:
+                if _matches(seen, tensors, exact=True):
+                    self._again(key, seen, (call, stamp))
+                    return
+                self._drop(key)
+            by_key[key] = (tuple(map(_ref, tensors)), tuple([_version(t) for t in tensors]), ((call, stamp),))
         else:
             self.unkeyed = call
             return
-        self._again(key, seen, (call, stamp))
+        if len(by_key) >= self.sweep_at:
+            self.sweep()
 
     def _again(self, key: Any, seen: tuple[Any, ...], stamped: tuple[Any, int]) -> None:
         """The very leaves of a record called again: add ``stamped`` (see :func:`_merged`)."""
@@ -264,7 +259,8 @@ class CallLog:
     def _index(self) -> None:
         """Put the records made since the last detach lookup into the detach index, oldest first, each marked
         indexed once it is in (see the class docstring: an interrupted pass leaves the indexed records a prefix).
-        A record dropped meanwhile (its leaf freed by a garbage collection, or on another thread) is skipped."""
+        A record dropped meanwhile (by a record or sweep on another thread) is skipped; a dead one is indexed
+        as a record no detach key names."""
         indexed, by_key = self.indexed, self.by_key
         while True:
             fresh = []
@@ -280,7 +276,7 @@ class CallLog:
             record = by_key.get(key)
             if record is None:
                 continue
-            alive = [ref() for ref in record[_REFS]]  # held until the entry is in: a leaf freed after it drops it
+            alive = [ref() for ref in record[_REFS]]  # held while their memory is read
             memory = None if any(t is None for t in alive) else _memory(alive)
             if key not in by_key:  # dropped while its memory was read
                 continue
@@ -289,6 +285,14 @@ class CallLog:
                 self.by_memory.setdefault(memory, {})[key] = None
 
     # -- lifetime ---------------------------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """Drop the dead records (a leaf freed), and their index entries; the next sweep comes when the log has
+        doubled (at least :data:`SWEEP_FLOOR` records)."""
+        for key, record in list(self.by_key.items()):
+            if not _alive(record):
+                self._drop(key)
+        self.sweep_at = max(SWEEP_FLOOR, 2 * len(self.by_key))
 
     def _drop(self, key: Any) -> None:
         """Forget the record under ``key``, and its place in the detach index."""
@@ -306,3 +310,4 @@ class CallLog:
         self.by_memory.clear()
         self.indexed.clear()
         self.unkeyed = self.last = None
+        self.sweep_at = SWEEP_FLOOR

@@ -53,6 +53,8 @@ _release_region = release_region
 _MOVING_DEVICE_TYPES = frozenset({"cuda", "hpu", "xpu", "mtia", torch._C._get_privateuse1_backend_name()})
 #: The record of a call without autocast, of a module sharded alone on a device FSDP does not move inputs to.
 _PLAIN_CALL = (_autocast.ALL_OFF, False) + ALL_CAST
+#: The record of such a call after its autocast state, where its calls leave no cast-cache hazard either.
+_PLAIN_REST = _PLAIN_CALL[1:]
 
 _lock = threading.RLock()
 #: id(state) -> _Cover. A cover keeps its state (and so the modules) alive, and the modules' hook dicts,
@@ -112,11 +114,12 @@ class _Module:
             _release_region()
         grad = _is_grad_enabled()
         if _any_autocast_enabled():
-            call = self._call(module, _capture_enabled(self.device_types), grad)
+            now = _capture_enabled(self.device_types)
+            call = self._call(module, now, grad) if self.varies or self.cached else (now,) + _PLAIN_REST
         else:
             call = self._call(module, _ALL_OFF, grad) if self.varies else _PLAIN_CALL
-        if _is_inference_mode_enabled():  # an inference-mode call is never recomputed
-            return
+        if not grad and _is_inference_mode_enabled():  # an inference-mode call is never recomputed (inference
+            return  # mode disables grad; a call under enable_grad inside it is recorded, to no harm)
         x = args[0] if len(args) == 1 and not kwargs else None
         self.log.record((x,) if type(x) is _Tensor else _leaves(args, kwargs), call, -1 if grad else _sequence_nr())
 

@@ -60,15 +60,52 @@ def test_each_record_is_indexed_once_however_many_are_alive(monkeypatch: pytest.
     assert reads[0] == 5 + 1  # only the records made since
 
 
-def test_a_freed_leaf_takes_its_record_and_index_entry() -> None:
+def test_a_freed_leaf_leaves_a_dead_record_no_lookup_finds_and_a_sweep_drops() -> None:
     log = _calls.CallLog()
     x, y = torch.randn(2), torch.randn(2)
     log.record((x,), "x", -1)
     log.record((x, y), "xy", -1)
     assert log.find((x.detach(),)) == (("x", -1),)  # indexed
+    x_id, memory = id(x), x.data_ptr()
     del x
     gc.collect()
-    assert len(log) == 0 and not log.indexed and not log.by_memory
+    assert len(log) == 0
+    assert log.find((torch.empty(0).set_(y.untyped_storage()),)) is None  # nothing found on y's memory either
+    log.sweep()
+    assert not log.by_key and not log.indexed and not log.by_memory
+    assert x_id not in log.by_key and memory not in log.by_memory
+
+
+def test_the_log_holds_at_most_twice_the_records_alive_at_once() -> None:
+    """Records of freed leaves are swept once the log has doubled, so a long run of calls on fresh tensors (every
+    training step's activations) leaves a log of bounded size, and each record is swept at most once per
+    doubling."""
+    log = _calls.CallLog()
+    for _ in range(1000):
+        log.record((torch.randn(2),), "s", -1)
+        assert len(log.by_key) <= _calls.SWEEP_FLOOR
+    held = [torch.randn(2) for _ in range(300)]
+    for i in range(3000):
+        log.record((held[i // 3 % 300],) if i % 3 == 0 else (torch.randn(2),), "t", -1)
+        assert len(log.by_key) <= 2 * (300 + 1)
+    assert len(log) == 300
+
+
+def test_a_record_made_again_under_a_dead_records_key_is_the_newest() -> None:
+    """A freed leaf's id taken by a new tensor: the new record goes last (out of the detach index), so lookups
+    on shared memory list it after every record made before it."""
+    log = _calls.CallLog()
+    base = torch.randn(4)
+    first = base.detach()
+    log.record((first,), "old", -1)
+    assert log.find((base.detach(),)) == (("old", -1),)  # indexed
+    del first
+    gc.collect()
+    second = base.detach()  # a new tensor on the same memory: its id may or may not be the dead record's
+    log.record((base,), "middle", -1)
+    log.record((second,), "new", -1)
+    assert log.find((base.detach(),)) == (("middle", -1), ("new", -1))
+    assert list(log.by_key)[-1] == id(second)
 
 
 def test_the_same_leaves_again_keep_each_state_once_latest_last_where_calls_ran_with_grad() -> None:
@@ -105,8 +142,8 @@ def test_a_record_keeps_at_most_max_calls_states_and_then_no_longer_trusts_its_s
 
 
 def test_a_record_dropped_while_the_index_is_built_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A leaf freed mid-pass (a garbage collection, another thread): no error, no stale entry, and the records
-    after it are indexed (the indexed ones stay a prefix, so none is missed later)."""
+    """A leaf freed mid-pass (a garbage collection, another thread): no error, its dead record under no detach
+    key, and the records after it indexed (the indexed ones stay a prefix, so none is missed later)."""
     log = _calls.CallLog()
     held = {name: torch.randn(2) for name in "abc"}
     for name, t in held.items():
@@ -125,7 +162,9 @@ def test_a_record_dropped_while_the_index_is_built_is_skipped(monkeypatch: pytes
     assert log.find((held["c"].detach(),)) == (("c", -1),)
     monkeypatch.setattr(_calls, "_memory", memory)
     assert log.find((held["a"].detach(),)) == (("a", -1),)
-    assert len(log) == 2 and len(log.indexed) == 2 and len(log.by_memory) == 2
+    assert len(log) == 2 and len(log.by_memory) == 2
+    log.sweep()
+    assert len(log.by_key) == len(log.indexed) == len(log.by_memory) == 2
 
 
 def test_an_inference_tensor_is_recorded_and_found() -> None:

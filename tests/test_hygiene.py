@@ -56,8 +56,9 @@ def test_records_hold_no_tensors() -> None:
     assert module_cover.replayer.replays == []
     del x
     gc.collect()
-    assert len(module_cover.log) == 0  # the record went with its input
-    assert not module_cover.log.indexed and not module_cover.log.by_memory
+    assert len(module_cover.log) == 0  # the record died with its input
+    module_cover.log.sweep()
+    assert not module_cover.log.by_key and not module_cover.log.indexed and not module_cover.log.by_memory
 
 
 def test_no_activation_or_input_alive_after_backward() -> None:
