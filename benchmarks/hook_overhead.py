@@ -19,12 +19,14 @@ measured on the hooks directly, ``path`` (``ordinary``, ``ordinary-autocast``, `
 
 ``--instructions`` counts, instead of timing, the instructions of the blocks of calls under valgrind's callgrind
 (``benchmarks/instructions.py``; needs valgrind and a C compiler): unsharded, stock, prebuilt (below) and patched,
-per row, 2 rounds (``rounds`` and ``calls`` per block in each row); the added cost is then resolved to a few
-instructions where the timed difference spreads by microseconds. Rows only (``*_instructions`` keys in place of
-``*_ns``), no direct paths; each row also counts stock with FSDP's pre-hook called through one prebuilt
-``torch._dynamo.disable`` wrapper, as the patch calls it (FSDP's own builds one per call):
-``prebuilt_instructions``, and the patch's own work ``own_instructions`` (patched - prebuilt),
-``own_over_fsdp_hook``. Instructions are a proxy for time, not time (a cache miss counts as one).
+per row, 4 rounds (``rounds`` and ``calls`` per block in each row); the added cost is then resolved to a few
+instructions where the timed difference spreads by microseconds (``*_instructions`` keys in place of ``*_ns``).
+Each row also counts stock with FSDP's pre-hook called through one prebuilt ``torch._dynamo.disable`` wrapper,
+as the patch calls it (FSDP's own builds one per call): ``prebuilt_instructions``, and the patch's own work
+``own_instructions`` (patched - prebuilt), ``own_over_fsdp_hook``. The direct paths are counted too
+(``instructions_per_call``; ``over_fsdp_hook`` of the rows' mean FSDP2 hook instructions), all but
+``recompute``, sampled one by one inside torch's recompute, and ``disable-wrapper``. Instructions are a proxy for
+time, not time (a cache miss counts as one).
 
     python benchmarks/hook_overhead.py [--rounds 200] [--calls 100] [--instructions] [--json out.json] [--smoke]
 """
@@ -144,8 +146,17 @@ def _in_backward(body: Any) -> None:
     out.sum().backward()
 
 
-def _hooks_directly(module: nn.Module, fp32_module: nn.Module, rounds: int, calls: int) -> list[dict[str, Any]]:
-    """The patch's own work per module call, called directly (FSDP's hooks not included).
+def _timed_ns(block: Any) -> float:
+    start = time.perf_counter_ns()
+    block()
+    return time.perf_counter_ns() - start
+
+
+def _hooks_directly(module: nn.Module, fp32_module: nn.Module, rounds: int, calls: int,
+                    counter: Any = None) -> list[dict[str, Any]]:
+    """The patch's own work per module call, called directly (FSDP's hooks not included); timed, or counted in
+    instructions where ``counter`` (an ``instructions.Counter``) is given (then without ``recompute``, whose
+    samples are taken inside torch's recompute one by one, and ``disable-wrapper``).
 
     ``ordinary``: what runs before FSDP's pre-hook on an ordinary forward (the record), autocast off and on;
     ``recompute``: the start of a replayed recompute and its end (the exit hook), with the state in
@@ -157,6 +168,8 @@ def _hooks_directly(module: nn.Module, fp32_module: nn.Module, rounds: int, call
     patch's own, ended when the next one starts). ``module`` has bf16 parameters, whose casts autocast never
     caches (no cast-cache bookkeeping); the recompute paths are timed again on ``fp32_module``, fp32 parameters
     that autocast casts (``-fp32-params``: the hazard bookkeeping, and outside torch's checkpoint the sentinel)."""
+    cost = counter.count if counter is not None else _timed_ns
+    unit = "instructions_per_call" if counter is not None else "ns_per_call"
     cover = _patch._covers[id(_compat.load().state_of(module))]
     module_cover = cover.modules[0]
     replayer = module_cover.replayer
@@ -193,20 +206,21 @@ def _hooks_directly(module: nn.Module, fp32_module: nn.Module, rounds: int, call
         cover.state._training_state = _compat.load().pre_backward
         # restored: torch.utils.checkpoint's region per recompute; else none (the patch's region is the only one)
         region: Any = torch.autocast("cpu", dtype=torch.bfloat16) if restored else contextlib.nullcontext()
+        def baseline() -> None:
+            for _ in range(calls):
+                with region:  # the checkpoint's own region: stock enters and leaves it too
+                    pass
+
+        def replays() -> None:
+            for _ in range(calls):
+                with region:
+                    replayer.start(module, [x])
+                    if replayer.replays:
+                        replayer.exit(module, args, x)
+
         try:
             for _ in range(rounds):
-                start = time.perf_counter_ns()
-                for _ in range(calls):
-                    with region:  # the checkpoint's own region: stock enters and leaves it too
-                        pass
-                baseline = time.perf_counter_ns() - start
-                start = time.perf_counter_ns()
-                for _ in range(calls):
-                    with region:
-                        replayer.start(module, [x])
-                        if replayer.replays:
-                            replayer.exit(module, args, x)
-                samples.append((time.perf_counter_ns() - start - baseline) / calls)
+                samples.append((cost(replays) - cost(baseline)) / calls)
             _replay.release_region()  # the last recompute's region (ended at the end of the backward otherwise)
         finally:
             cover.state._training_state = saved
@@ -217,31 +231,34 @@ def _hooks_directly(module: nn.Module, fp32_module: nn.Module, rounds: int, call
         # autocast region would also drop the cast cache every time, see docs/safety.md).
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=path != "ordinary"), \
                 torch.set_grad_enabled(path == "ordinary"):
-            for _ in range(rounds):
-                start = time.perf_counter_ns()
+            def baseline() -> None:
                 for _ in range(calls):
-                    x.detach()  # the baseline: what the timed loop does besides the patch's work
-                baseline = time.perf_counter_ns() - start
-                start = time.perf_counter_ns()
+                    x.detach()  # what the loop does besides the patch's work
+
+            def records() -> None:
                 for _ in range(calls):
                     module_cover.begin(module, (x.detach(),), {})  # a fresh input each time
-                samples.append((time.perf_counter_ns() - start - baseline) / calls)
-        results.append({"torch": torch.__version__, "path": path, "ns_per_call": statistics.median(samples)})
+
+            for _ in range(rounds):
+                samples.append((cost(records) - cost(baseline)) / calls)
+        results.append({"torch": torch.__version__, "path": path, unit: statistics.median(samples)})
     for covered, suffix in ((module, ""), (fp32_module, "-fp32-params")):
         cover = _patch._covers[id(_compat.load().state_of(covered))]
         module_cover, replayer = cover.modules[0], cover.modules[0].replayer
         with torch.autocast("cpu", dtype=torch.bfloat16):
             covered(x)  # the call the recomputes replay
         module = covered
-        samples = []
-        torch_checkpoint_recomputes(samples)
-        results.append({"torch": torch.__version__, "path": "recompute" + suffix,
-                        "ns_per_call": statistics.median(samples)})
+        if counter is None:
+            samples = []
+            torch_checkpoint_recomputes(samples)
+            results.append({"torch": torch.__version__, "path": "recompute" + suffix,
+                            unit: statistics.median(samples)})
         for path, restored in (("recompute-region", True), ("recompute-entered", False)):
             samples = []
             _in_backward(lambda: recomputes(samples, restored))  # noqa: B023 - run before the next iteration
-            results.append({"torch": torch.__version__, "path": path + suffix,
-                            "ns_per_call": statistics.median(samples)})
+            results.append({"torch": torch.__version__, "path": path + suffix, unit: statistics.median(samples)})
+    if counter is not None:
+        return results
     wrapped = _hooks.eager(lambda module, args, kwargs: None)
     samples = []
     for _ in range(rounds):
@@ -256,7 +273,7 @@ def _hooks_directly(module: nn.Module, fp32_module: nn.Module, rounds: int, call
 def main(argv: list[str] | None = None) -> int:
     """Measure and print (or write) the overhead table."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, help="rounds (default: 200 timed, 2 counted)")
+    parser.add_argument("--rounds", type=int, help="rounds (default: 200 timed, 4 counted)")
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions under valgrind's callgrind instead of timing")
@@ -265,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.instructions and not instructions.relaunched():
         return instructions.relaunch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv)
-    rounds = args.rounds or (2 if args.instructions else 200)
+    rounds = args.rounds or (4 if args.instructions else 200)
     rounds, calls = (1 if args.instructions else 3, 5) if args.smoke else (rounds, args.calls)
     logging.getLogger("fsdp_autocast_fix").setLevel(logging.ERROR)  # the direct calls replay one input on purpose
     torch.set_num_threads(1)
@@ -301,14 +318,13 @@ def main(argv: list[str] | None = None) -> int:
             if counter is not None:
                 results[-1].update({"prebuilt_instructions": m["prebuilt"], "own_instructions": m["own"],
                                     "own_over_fsdp_hook": m["own"] / fsdp_hook, "rounds": rounds, "calls": calls})
-    direct = []
-    if counter is None:
-        covered = fsdp_autocast_fix.patched_fully_shard(nn.Linear(8, 8), mp_policy=policy)
-        fp32_covered = fsdp_autocast_fix.patched_fully_shard(nn.Linear(8, 8), mp_policy=fsdp.MixedPrecisionPolicy())
-        direct = _hooks_directly(covered, fp32_covered, rounds, calls)
-        fsdp_hook = statistics.mean(r["fsdp_hook_ns"] for r in results)
-        for r in direct:
-            r["over_fsdp_hook"] = r["ns_per_call"] / fsdp_hook
+    covered = fsdp_autocast_fix.patched_fully_shard(nn.Linear(8, 8), mp_policy=policy)
+    fp32_covered = fsdp_autocast_fix.patched_fully_shard(nn.Linear(8, 8), mp_policy=fsdp.MixedPrecisionPolicy())
+    direct = _hooks_directly(covered, fp32_covered, rounds, calls, counter)
+    direct_unit = "instructions_per_call" if counter is not None else "ns_per_call"
+    fsdp_hook = statistics.mean(r[f"fsdp_hook_{unit}"] for r in results)
+    for r in direct:
+        r["over_fsdp_hook"] = r[direct_unit] / fsdp_hook
     dist.destroy_process_group()
     if args.json:
         with open(args.json, "w") as f:
@@ -332,12 +348,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['autocast']} | {r['grad']} | {r['unsharded_ns']:.0f} | {r['stock_ns']:.0f} | "
                   f"{r['patched_ns']:.0f} | {r['fsdp_hook_ns']:.0f} | {r['added_ns']:.0f} | "
                   f"{r['added_over_fsdp_hook']:.2%} |")
-    if direct:
-        print()
-        print(f"| the patch's own work, called directly | ns per call | of FSDP2's hook time ({fsdp_hook:.0f} ns) |")
-        print("|---|---|---|")
-        for r in direct:
-            print(f"| {r['path']} | {r['ns_per_call']:.0f} | {r['over_fsdp_hook']:.2%} |")
+    print()
+    per_call, of = ("instructions per call", "instructions") if counter is not None else ("ns per call", "time")
+    print(f"| the patch's own work, called directly | {per_call} | of FSDP2's hook {of} ({fsdp_hook:.0f}) |")
+    print("|---|---|---|")
+    for r in direct:
+        print(f"| {r['path']} | {r[direct_unit]:.0f} | {r['over_fsdp_hook']:.2%} |")
     return 0
 
 

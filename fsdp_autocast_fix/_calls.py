@@ -289,8 +289,9 @@ class CallLog:
     def sweep(self) -> None:
         """Drop the dead records (a leaf freed), and their index entries; the next sweep comes when the log has
         doubled (at least :data:`SWEEP_FLOOR` records)."""
-        for key, record in list(self.by_key.items()):
-            if not _alive(record):
+        by_key = self.by_key
+        for key, record in list(by_key.items()):
+            if not _alive(record) and by_key.get(key) is record:  # not made again meanwhile, on another thread
                 self._drop(key)
         self.sweep_at = max(SWEEP_FLOOR, 2 * len(self.by_key))
 

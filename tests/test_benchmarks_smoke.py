@@ -97,8 +97,15 @@ def test_hook_overhead_instructions_smoke(tmp_path) -> None:
     out = tmp_path / "hooks_instructions.json"
     _run("hook_overhead.py", "--instructions", "--smoke", "--json", str(out))
     results = json.loads(out.read_text())
+    direct = [r for r in results if "path" in r]
+    results = [r for r in results if "path" not in r]
     assert sorted((r["autocast"], r["grad"]) for r in results) == [("bf16", "off"), ("bf16", "on"), ("off", "off"),
                                                                    ("off", "on")]
+    replays = {"recompute-region", "recompute-entered"}  # the direct paths counted: all but the sampled ones
+    assert {r["path"] for r in direct} == {"ordinary", "ordinary-autocast"} | replays | {
+        path + "-fp32-params" for path in replays}
+    for r in direct:  # the patch's own work: some, and a small part of FSDP2's hooks
+        assert 0 < r["instructions_per_call"] and 0 < r["over_fsdp_hook"] < 1, r
     for r in results:
         counts = [r[f"{what}_instructions"] for what in ("unsharded", "stock", "prebuilt", "patched")]
         assert all(count > 0 for count in counts)
