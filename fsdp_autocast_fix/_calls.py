@@ -291,8 +291,11 @@ class CallLog:
         doubled (at least :data:`SWEEP_FLOOR` records)."""
         by_key = self.by_key
         for key, record in list(by_key.items()):
-            if not _alive(record) and by_key.get(key) is record:  # not made again meanwhile, on another thread
-                self._drop(key)
+            if not _alive(record) and by_key.get(key) is record:  # not made again meanwhile on another thread
+                try:  # (which can still happen right here: its new record then goes too, a replay lost, never
+                    self._drop(key)  # a wrong one; or it is gone already)
+                except KeyError:
+                    pass
         self.sweep_at = max(SWEEP_FLOOR, 2 * len(self.by_key))
 
     def _drop(self, key: Any) -> None:

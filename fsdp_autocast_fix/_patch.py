@@ -118,8 +118,8 @@ class _Module:
             call = self._call(module, now, grad) if self.varies or self.cached else (now,) + _PLAIN_REST
         else:
             call = self._call(module, _ALL_OFF, grad) if self.varies else _PLAIN_CALL
-        if not grad and _is_inference_mode_enabled():  # an inference-mode call is never recomputed (inference
-            return  # mode disables grad; a call under enable_grad inside it is recorded, to no harm)
+        if _is_inference_mode_enabled():  # an inference-mode call is never recomputed, even under enable_grad
+            return  # (recorded, its state would be merged into the record of the training call on its input)
         x = args[0] if len(args) == 1 and not kwargs else None
         self.log.record((x,) if type(x) is _Tensor else _leaves(args, kwargs), call, -1 if grad else _sequence_nr())
 

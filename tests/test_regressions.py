@@ -595,3 +595,37 @@ def test_recomputes_of_one_input_replay_their_own_states_around_an_eval_in_anoth
     assert _same_input_states_interleaved("stock", True).verdict(truth) != "bitwise"  # positive control
     for mode in G.PATCHED_MODES:
         assert _same_input_states_interleaved(mode, True).verdict(truth) == "bitwise", mode
+
+
+# -- found by review: a call in inference mode under enable_grad -------------------------------------------
+
+
+def _inference_pass_before_backward(mode: str, inference: bool, use_checkpoint: bool = True) -> G.Result:
+    """A sharded unit run under bf16 autocast through a hand-written checkpoint that does not restore autocast
+    (``fn_no_restore``: forward under ``no_grad``, recompute on a ``detach()``), then, before the backward (outside
+    autocast), an eval pass on the very same input under ``inference_mode`` with ``enable_grad`` inside it."""
+    torch.manual_seed(0)
+    unit = nn.Sequential(nn.Linear(G.DIM, G.DIM))
+    with G._mode(mode) as fully_shard:
+        fully_shard(unit, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
+        if mode == "late_apply":
+            fsdp_autocast_fix.apply()
+        run = G.frontend_fn("fn_no_restore" if use_checkpoint else "none")
+        x = torch.randn(4, G.DIM, requires_grad=True)
+        with torch.autocast("cpu", dtype=G.BF16):
+            out = run(unit, x)
+        if inference:
+            with torch.inference_mode(), torch.enable_grad():
+                unit(x)
+        out.float().pow(2).sum().backward()
+    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in unit.parameters()])
+
+
+def test_an_inference_mode_call_under_enable_grad_is_not_taken_for_the_training_call() -> None:
+    """Inference mode keeps autograd out even where grad is enabled inside it, so such a call is never recomputed;
+    recorded, its state (autocast off) would be merged into the training call's record on the same input and
+    replayed as "the most recent" (before the fix: the recompute ran in float32, other gradient bits)."""
+    truth = _inference_pass_before_backward("stock", inference=False, use_checkpoint=False)
+    assert _inference_pass_before_backward("stock", inference=True).verdict(truth) != "bitwise"  # positive control
+    for mode in G.PATCHED_MODES:
+        assert _inference_pass_before_backward(mode, inference=True).verdict(truth) == "bitwise", mode
