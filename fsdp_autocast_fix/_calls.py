@@ -165,7 +165,7 @@ class CallLog:
     no record replays it. ``last`` is the latest call's state, for the warning on a recompute that finds none.
     """
 
-    __slots__ = ("by_key", "by_memory", "indexed", "unkeyed", "last", "sweep_at", "__weakref__")
+    __slots__ = ("by_key", "by_memory", "indexed", "unkeyed", "last", "sweep_at")
 
     def __init__(self) -> None:
         self.by_key: dict[Any, tuple[Any, ...]] = {}
