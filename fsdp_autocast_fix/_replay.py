@@ -92,13 +92,17 @@ class Region:
         return getattr(_tls, "region", None)
 
     def start(self) -> None:
-        """Make this the thread's current region (ending the hold of the one before)."""
+        """Make this the thread's current region (ending the hold of the one before); a hold ends with its
+        backward: one callback per backward and thread releases whichever region holds then (queued again where
+        another backward's came in between, or where it ran already; a second one changes nothing)."""
         release_region()
         _tls.region = self
         if self.entered is not None:
             held[0] += 1
-            if self.where[0] != -1:
-                _compat.load().queue_backward_callback(functools.partial(_end_of_backward, self))
+            graph_task = self.where[0]
+            if graph_task != -1 and getattr(_tls, "ending", None) != graph_task:
+                _tls.ending = graph_task
+                _compat.load().queue_backward_callback(functools.partial(_end_of_backward, graph_task))
 
 
 @contextlib.contextmanager
@@ -128,9 +132,16 @@ def release_region(restore: bool = False) -> None:
         region.entered.release(restore)
 
 
-def _end_of_backward(region: Region) -> None:
-    entered = region.entered
-    if Region.current() is region and entered is not None and entered.thread == threading.get_ident():
+def _end_of_backward(graph_task: int) -> None:
+    """The backward ``graph_task`` ends: release this thread's region if it is one of that backward's holds.
+
+    A hold started after this (a forward in a final callback queued later, still in ``graph_task``) queues its
+    own release again: the thread's pending mark is cleared first."""
+    if getattr(_tls, "ending", None) == graph_task:
+        _tls.ending = None
+    region = Region.current()
+    if region is not None and region.entered is not None and region.where[0] == graph_task \
+            and region.entered.thread == threading.get_ident():
         release_region()
 
 
@@ -138,7 +149,9 @@ class Replay:
     """One recompute of a module: what FSDP's forward did that this torch skips, and what to undo after.
 
     ``graph_task``: the backward it runs in, where the module is the outermost covered module of the recompute
-    (the replay is then on this thread's :func:`frames` until it is undone), else None."""
+    (the replay is then on this thread's :func:`frames` until it is undone), else None. ``moved``, ``cast_in``,
+    ``cast_out``: what the patch does in FSDP's place, each only where the call's forward did it and the policy
+    makes it (a cast to no dtype is none: the post-hook is not swapped, the pre-hook's result not touched)."""
 
     __slots__ = ("graph_task", "entered", "moved", "cast_in", "cast_out", "pre_pending")
 
@@ -198,8 +211,10 @@ class Replayer:
             chosen = (None, False) + self._casts_of(module)
         _, moved, cast_in, cast_out = chosen
         if state._training_state is cover.pre_backward:  # FSDP skips its forward's root move, and on 2.4-2.12
-            casts = cover.casts()  # its casts: do them in its place
-            cast_in, cast_out = cast_in and casts, cast_out and casts
+            casts = cover.casts()  # its casts: do them in its place, those its policy makes (none: nothing to swap)
+            policy = state._mp_policy
+            cast_in = cast_in and casts and policy.cast_forward_inputs and policy.param_dtype is not None
+            cast_out = cast_out and casts and policy.output_dtype is not None
         else:
             moved = cast_in = cast_out = False
         if not outermost and not (moved or cast_in or cast_out):
@@ -290,20 +305,17 @@ class Replayer:
             args_tuple, kwargs_tuple = _compat.load().to_kwargs(args, kwargs, state._device, False)
             args, kwargs = args_tuple[0], kwargs_tuple[0]
             _report.count(self.name, "root_moves")
-        policy = state._mp_policy
-        if replay.cast_in and policy.cast_forward_inputs and policy.param_dtype is not None:
-            args, kwargs = _cast(policy.param_dtype, args), _cast(policy.param_dtype, kwargs)
+        if replay.cast_in:  # the policy casts inputs (see start)
+            dtype = state._mp_policy.param_dtype
+            args, kwargs = _cast(dtype, args), _cast(dtype, kwargs)
             _report.count(self.name, "input_casts")
         return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, input: Any, output: Any) -> Any:
         """In the place of FSDP's forward hook during a replay: FSDP's hook, then the output cast it did."""
         output = self.placement.fsdp_post_call(module, input, output)
-        dtype = self.cover.state._mp_policy.output_dtype
-        if dtype is None:
-            return output
-        _report.count(self.name, "output_casts")
-        return _cast(dtype, output)
+        _report.count(self.name, "output_casts")  # swapped in only where the policy has an output dtype (start)
+        return _cast(self.cover.state._mp_policy.output_dtype, output)
 
     # -- undo -------------------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import inspect
 import logging
+from typing import Any
 
 import pytest
 import scenarios as S
@@ -287,6 +288,39 @@ def test_post_hook_only_while_a_replay_is_in_flight() -> None:
     if _compat.load().forward_hooks_snapshot:
         assert seen == [stock_post, stock_post + 1]  # the patch's exit hook only in the recompute
     assert len(layer._forward_hooks) == stock_post + (0 if _compat.load().forward_hooks_snapshot else 1)
+    assert _no_replays()
+
+
+@pytest.mark.parametrize("output_dtype", [None, torch.float32])
+@pytest.mark.parametrize("force", [False, True])
+def test_fsdps_post_hook_is_swapped_in_a_replay_only_to_cast_the_output(output_dtype: Any, force: bool) -> None:
+    """In a recompute the patch's forward-hook entry takes FSDP's slot only where it casts the output in FSDP's
+    place: the policy has an ``output_dtype`` and this torch skips the cast (or ``force``). Either way the bits
+    are those of the run without checkpointing."""
+    _, policy_cls = S._fsdp()
+    fsdp_autocast_fix.apply(force=force)
+    policy = policy_cls(param_dtype=S.BF16, output_dtype=output_dtype)
+    slot_in_recompute: list[bool] = []
+
+    def run(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layer = S.GeluLinear()
+        S._fsdp()[0](layer, mp_policy=policy)
+        placement = _patch._covers[id(_compat.load().state_of(layer))].modules[0].placement
+        if checkpointed:
+            layer.register_forward_pre_hook(lambda m, a: slot_in_recompute.append(
+                placement.slots.post_entry.get() is placement.post_hook)
+                if torch._C._current_graph_task_id() != -1 else None)
+        x = torch.randn(4, S.DIM, requires_grad=True)
+        with torch.autocast("cpu", dtype=S.BF16):
+            out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+        out.float().sum().backward()
+        return [x.grad] + [p.grad for p in layer.parameters()]
+
+    reference, checkpointed = run(False), run(True)
+    casts = output_dtype is not None and (force or _compat.load().needs_cast_replay)
+    assert slot_in_recompute == [casts]
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(reference, checkpointed))
     assert _no_replays()
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+from typing import Any
 
 import pytest
 import scenarios as S
@@ -253,3 +255,101 @@ def test_inputs_made_under_inference_mode() -> None:
             outputs.append(layer(x))
             outputs.append(layer((x, x)[0]))
     assert all(torch.equal(outputs[0], out) for out in outputs)
+
+
+def test_every_hold_a_backward_entered_ends_with_it() -> None:
+    """Three sharded layers, each under a checkpoint that does not restore autocast, one backward outside
+    autocast, twice: each recompute is a region whose state the patch enters and holds; the backward's end
+    releases the last hold (one end-of-backward release per backward and thread), so that autocast's nesting
+    count, state and cache flag are as before once the backward returns, before any other forward; the gradients
+    are those of the run without checkpointing. Positive control: with the release not queued, the hold outlives
+    the backward (the count stays up)."""
+    def run(checkpointed: bool, release: bool = True) -> tuple[list[Any], S.Result]:
+        torch.manual_seed(0)
+        fully_shard, policy_cls = S._fsdp()
+        fsdp_autocast_fix.apply()
+        layers = [S.GeluLinear() for _ in range(3)]
+        for layer in layers:
+            fully_shard(layer, mp_policy=policy_cls())
+        x = torch.randn(4, S.DIM, requires_grad=True)
+        after: list[Any] = []
+        real = _compat.load()
+        queued = [0]
+
+        def queue(callback: Any) -> None:
+            queued[0] += 1
+            if release:
+                real.queue_backward_callback(callback)
+
+        internals = dataclasses.replace(real, queue_backward_callback=queue)
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.setattr(_compat, "load", lambda: internals)
+            for _ in range(2):
+                queued[0] = 0
+                with torch.autocast("cpu", dtype=S.BF16):
+                    h = x
+                    for layer in layers:
+                        h = S.RecomputeWithoutAutocast.apply(layer, h) if checkpointed else layer(h)
+                h.float().sum().backward()
+                after.append((_nesting(), _replay.held[0], _replay.Region.current() is None,
+                              torch.is_autocast_enabled("cpu"), torch.is_autocast_cache_enabled(), queued[0]))
+        _replay.release_region()
+        fsdp_autocast_fix.remove()
+        return after, S.Result(grads=[x.grad] + [p.grad.full_tensor() for m in layers for p in m.parameters()])
+
+    _, reference = run(False)
+    after, patched = run(True)
+    assert after == [(0, 0, True, False, True, 1)] * 2  # three holds, one release queued per backward
+    assert patched.same_as(reference)
+    unreleased, _ = run(True, release=False)
+    assert unreleased[0][:3] == (1, 1, False)
+
+
+def test_a_hold_started_in_a_final_callback_of_the_backward_ends_with_it() -> None:
+    """A final callback queued after the patch's end-of-backward release (a metric pass on the training batch,
+    ``no_grad``, autocast off) runs the sharded module while the backward's graph task is still current: a
+    recompute for the patch, whose replay enters the forward's state and holds it. That hold is released when
+    the backward ends too, so autocast's nesting count is 0 again and an unsharded module's autocast region
+    empties the cast cache at its exit: after an optimizer step its next region casts the new weight, not the
+    old one's cached cast (silently stale bits otherwise). Positive control: with the pending mark not cleared
+    when the release runs, the hold outlives the backward and the stale cast is used."""
+    def run(clear_mark: bool) -> tuple[int, bool]:
+        torch.manual_seed(0)
+        fully_shard, policy_cls = S._fsdp()
+        fsdp_autocast_fix.apply()
+        layer = S.GeluLinear()
+        fully_shard(layer, mp_policy=policy_cls())
+        x = torch.randn(4, S.DIM, requires_grad=True)
+
+        def metric() -> None:
+            with torch.no_grad():
+                layer(x)
+
+        x.register_hook(lambda g: torch.autograd.Variable._execution_engine.queue_callback(metric) or g)
+        real_end = _replay._end_of_backward
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            if not clear_mark:  # the release as it would be without clearing the thread's mark
+                def end_keeping_mark(graph_task: int) -> None:
+                    mark = getattr(_replay._tls, "ending", None)
+                    real_end(graph_task)
+                    _replay._tls.ending = mark
+                monkeypatch.setattr(_replay, "_end_of_backward", end_keeping_mark)
+            with torch.autocast("cpu", dtype=S.BF16):
+                out = S.RecomputeWithoutAutocast.apply(layer, x)
+            out.float().sum().backward()
+        nesting = _nesting()
+        torch.manual_seed(1)
+        head, z = torch.nn.Linear(S.DIM, S.DIM), torch.randn(4, S.DIM)
+        with torch.no_grad(), torch.autocast("cpu", dtype=S.BF16):
+            head(z)  # caches the bf16 cast of head.weight until autocast's outermost region ends
+        with torch.no_grad():
+            head.weight.add_(1.0)  # an optimizer step
+        with torch.autocast("cpu", dtype=S.BF16):
+            y = head(z)
+        fresh = torch.nn.functional.linear(z.bfloat16(), head.weight.bfloat16(), head.bias.bfloat16())
+        _replay.release_region()
+        fsdp_autocast_fix.remove()
+        return nesting, torch.equal(y, fresh)
+
+    assert run(clear_mark=True) == (0, True)
+    assert run(clear_mark=False) == (1, False)
