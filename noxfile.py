@@ -225,6 +225,11 @@ def bench(session: nox.Session) -> None:
         ("A/B training step, torch 2.12.1: patched and stock alternated in one process (`benchmarks/ab_step.py`)",
          run(buggy, "ab_step.py", "--json", f"{out}/ab_step-2.12.1.json")),
         ("A/B training step, torch 2.13.0", run(fixed, "ab_step.py", "--json", f"{out}/ab_step-2.13.0.json")),
+        ("A/B training step in instructions, torch 2.12.1 (`benchmarks/ab_step.py --instructions`, valgrind's "
+         "callgrind, both ranks' rounds)",
+         run(buggy, "ab_step.py", "--instructions", "--json", f"{out}/ab_step_instructions-2.12.1.json")),
+        ("A/B training step in instructions, torch 2.13.0",
+         run(fixed, "ab_step.py", "--instructions", "--json", f"{out}/ab_step_instructions-2.13.0.json")),
         ("Hook overhead, torch 2.12.1 (`benchmarks/hook_overhead.py`)",
          run(buggy, "hook_overhead.py", "--json", f"{out}/hook_overhead-2.12.1.json")),
         ("Hook overhead, torch 2.13.0", run(fixed, "hook_overhead.py", "--json", f"{out}/hook_overhead-2.13.0.json")),
@@ -252,7 +257,8 @@ def bench(session: nox.Session) -> None:
                platform.processor())
     header = (f"Measured {datetime.date.today().isoformat()} with `python3 -m nox -s bench` on {os.cpu_count()} "
               f"CPU cores ({cpu}), gloo, 2 ranks for the step benchmarks (8 layers, hidden 256, sequence 128, "
-              f"batch 2; the A/B: 180 rounds of one step per variant after 3 warm-up rounds; `step.py`: {steps} "
+              f"batch 2; the A/B: 180 rounds of one step per variant after 3 warm-up rounds, counted: 4; "
+              f"`step.py`: {steps} "
               f"steps after 3 warm-up, each variant in its own processes).")
     body = "\n\n".join(f"**{title}**\n\n{text.strip()}" for title, text in tables)
     body += "\n\n![benchmarks](../benchmarks/results/benchmarks.png)"
@@ -277,10 +283,14 @@ def _headline(results: str) -> str:
         r = json.load(open(f"{results}/ab_step-{torch}.json"))
         parts.append(f"torch {torch}: patched / stock {r['patched_over_stock']:.3f}, reentrant workaround / stock "
                      f"{r['reentrant_over_stock']:.3f}")
+    counted = []
+    for torch in ("2.12.1", "2.13.0"):
+        r = json.load(open(f"{results}/ab_step_instructions-{torch}.json"))
+        counted.append(f"{(r['patched_over_stock'] - 1) * 100:+.3f} % on {torch}")
     return ("<!-- headline:start -->\n**Cost**, training step time measured side by side in one process (same torch "
             "build, model and ranks; `benchmarks/ab_step.py`, see [Benchmarks](docs/benchmarks.md)): " +
-            "; ".join(parts) +
-            ".\n<!-- headline:end -->")
+            "; ".join(parts) + ". Counted in instructions (`--instructions`), the patch adds " +
+            " and ".join(counted) + " to a step.\n<!-- headline:end -->")
 
 
 @nox.session(python="3.11")

@@ -14,10 +14,20 @@ The three run in every order in turn (six orders, cycled), so neither the machin
 position in the round favours one. Reported: the median step time of each, and the median over rounds of each
 round's ratio to the stock step of the same round (``patched / stock``, target <= 1.01; ``reentrant / stock``).
 
-JSON keys: ``torch``, ``rounds``, ``config``, ``step_ms`` (median per variant), ``step_ms_all`` (per variant),
-``patched_over_stock``, ``reentrant_over_stock`` (medians of the per-round ratios).
+Timed, a step spreads by several percent from round to round on a shared machine, so even the median of 180
+rounds' ratios moves by about 1 % from run to run: wider than the 1.005 target. ``--instructions`` counts
+instead the instructions each rank executes in each step, under valgrind's callgrind
+(``benchmarks/instructions.py``; every rank is its own process under callgrind), the same steps in the same
+orders (4 rounds by default, the first four of the six orders: a step's count repeats within a few hundredths of
+a percent). Instructions are a proxy for time, not time: they leave out memory stalls and waits, and the timed
+ratio is the one that says what a step costs here.
 
-    python benchmarks/ab_step.py [--rounds 180] [--json out.json] [--smoke]
+JSON keys: ``torch``, ``rounds``, ``config``, ``unit`` (``ms`` or ``instructions``), ``step_ms`` or
+``step_instructions`` (median per variant, rank 0), ``step_ms_all`` or ``step_instructions_all`` (per variant and
+round), ``patched_over_stock``, ``reentrant_over_stock`` (medians of the per-round ratios; counted, over both
+ranks' rounds), and, counted, ``patched_over_stock_range`` (the lowest and highest round's ratio).
+
+    python benchmarks/ab_step.py [--rounds 180] [--instructions] [--json out.json] [--smoke]
 """
 
 from __future__ import annotations
@@ -38,12 +48,14 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import instructions  # noqa: E402
 from step import ROOT, Stack, _free_port, config  # noqa: E402
 
 VARIANTS = ("patched", "stock", "reentrant")
 
 
-def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], rounds: int, out_path: str) -> None:
+def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], rounds: int, out_path: str,
+            counted: bool = False) -> None:
     sys.path.insert(0, ROOT)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -60,61 +72,82 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], rounds: int, 
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1 + rank)
 
+    counter = instructions.Counter() if counted else None
+
+    def train_step(x: torch.Tensor) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+
     def step(variant: str) -> float:
         if variant == "patched":
             fsdp_autocast_fix.apply()
         model.variant = "b" if variant == "reentrant" else "e"
         x = torch.randn(cfg["batch"], cfg["seq"], cfg["hidden"], generator=gen).requires_grad_(True)
         dist.barrier()
-        start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x).float().pow(2).mean()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        dist.barrier()
-        elapsed = (time.perf_counter() - start) * 1e3
+        if counter is not None:  # this rank's instructions in the step (a rank waiting on the other executes none)
+            cost = float(counter.count(lambda: train_step(x)))
+        else:
+            start = time.perf_counter()
+            train_step(x)
+            dist.barrier()
+            cost = (time.perf_counter() - start) * 1e3
         fsdp_autocast_fix.remove()
-        return elapsed
+        return cost
 
     for _ in range(cfg["warmup"]):
         for variant in VARIANTS:
             step(variant)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    if counter is not None:
+        counter.start()
+    costs: dict[str, list[float]] = {v: [] for v in VARIANTS}
     orders = list(itertools.permutations(VARIANTS))
     for i in range(rounds):
         for variant in orders[i % len(orders)]:
-            times[variant].append(step(variant))
+            costs[variant].append(step(variant))
+    mine = torch.tensor([costs[v] for v in VARIANTS], dtype=torch.float64)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)  # counted: every rank's rounds are samples
     if rank == 0:
-        medians = {v: statistics.median(t) for v, t in times.items()}
+        unit = "instructions" if counted else "ms"
+        samples = [dict(zip(VARIANTS, g.tolist())) for g in gathered] if counted else [costs]
 
-        def paired(variant: str) -> float:
-            return statistics.median(a / b for a, b in zip(times[variant], times["stock"]))
+        def ratios(variant: str) -> list[float]:
+            return [a / b for c in samples for a, b in zip(c[variant], c["stock"])]
 
+        result = {"torch": torch.__version__, "rounds": rounds, "config": cfg, "unit": unit,
+                  f"step_{unit}": {v: statistics.median(t) for v, t in costs.items()}, f"step_{unit}_all": costs,
+                  "patched_over_stock": statistics.median(ratios("patched")),
+                  "reentrant_over_stock": statistics.median(ratios("reentrant"))}
+        if counted:
+            result["patched_over_stock_range"] = [min(ratios("patched")), max(ratios("patched"))]
         with open(out_path, "w") as f:
-            json.dump({"torch": torch.__version__, "rounds": rounds, "config": cfg, "step_ms": medians,
-                       "step_ms_all": times, "patched_over_stock": paired("patched"),
-                       "reentrant_over_stock": paired("reentrant")}, f)
+            json.dump(result, f)
     dist.destroy_process_group()
 
 
-def run(cfg: dict[str, Any], rounds: int, world: int = 2) -> dict[str, Any]:
-    """Run the A/B on ``world`` spawned ranks; rank 0's result."""
+def run(cfg: dict[str, Any], rounds: int, world: int = 2, counted: bool = False) -> dict[str, Any]:
+    """Run the A/B on ``world`` spawned ranks (``counted``: in instructions, in a process started by
+    ``instructions.relaunch``); rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(world, _free_port(), cfg, rounds, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), cfg, rounds, out, counted), nprocs=world, join=True)
         with open(out) as f:
             return json.load(f)  # type: ignore[no-any-return]
 
 
 def markdown(result: dict[str, Any]) -> str:
     """The result as a markdown table."""
-    ms = result["step_ms"]
+    unit = result.get("unit", "ms")
+    per_step = result[f"step_{unit}"]
+    shown = (lambda v: f"{v / 1e6:.1f}M") if unit == "instructions" else (lambda v: f"{v:.1f}")
     return "\n".join([
         "| | patched | stock | reentrant workaround |",
         "|---|---|---|---|",
-        f"| step ms (median of {result['rounds']} rounds) | {ms['patched']:.1f} | {ms['stock']:.1f} | "
-        f"{ms['reentrant']:.1f} |",
+        f"| step {unit} (median of {result['rounds']} rounds) | {shown(per_step['patched'])} | "
+        f"{shown(per_step['stock'])} | {shown(per_step['reentrant'])} |",
         f"| ratio to stock (median of the rounds' ratios) | {result['patched_over_stock']:.3f} | 1 | "
         f"{result['reentrant_over_stock']:.3f} |",
     ])
@@ -123,12 +156,18 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Measure; print the table, and write JSON if asked."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=180)
+    parser.add_argument("--rounds", type=int, help="rounds (default: 180 timed, 4 counted)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions under valgrind's callgrind instead of timing")
     parser.add_argument("--json")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
+    if args.instructions and not instructions.relaunched():
+        return instructions.relaunch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv,
+                                     children=True)
     cfg = config(args.smoke, steps=0)
-    result = run(cfg, 2 if args.smoke else args.rounds)
+    rounds = args.rounds or (4 if args.instructions else 180)
+    result = run(cfg, 2 if args.smoke else rounds, counted=args.instructions)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

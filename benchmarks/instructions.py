@@ -59,18 +59,20 @@ def relaunched() -> bool:
     return LIBRARY_ENV in os.environ
 
 
-def relaunch(script: str, args: list[str]) -> int:
+def relaunch(script: str, args: list[str], children: bool = False) -> int:
     """Run ``script`` with ``args`` again in this Python under callgrind (see the module docstring), hash seed
     fixed so that every run executes alike; its exit status (callgrind's log is printed where it fails).
+    ``children``: the processes it starts run under callgrind too (spawned ranks, each counting its own).
 
-    Callgrind's options are all set here (``VALGRIND_OPTS`` is dropped): one dump file per dump, every thread's
-    counts summed in it, as :meth:`Counter.count` reads them."""
+    Callgrind's options are all set here (``VALGRIND_OPTS`` is dropped): one dump file per dump and process,
+    every thread's counts summed in it, as :meth:`Counter.count` reads them."""
     with tempfile.TemporaryDirectory() as directory:
         env = {k: v for k, v in os.environ.items() if k != "VALGRIND_OPTS"}
         env.update(PYTHONHASHSEED="0", **{LIBRARY_ENV: _build(directory), DUMPS_ENV: directory})
         log = os.path.join(directory, "valgrind.log")
         command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=yes",
                    "--separate-threads=no", "--combine-dumps=no",
+                   f"--trace-children={'yes' if children else 'no'}",
                    f"--callgrind-out-file={os.path.join(directory, 'dump.%p')}", f"--log-file={log}",
                    sys.executable, "-W", "ignore", script, *args]
         status = subprocess.run(command, env=env).returncode

@@ -125,6 +125,18 @@ def test_ab_step_smoke(tmp_path) -> None:
     assert all(len(v) == result["rounds"] for v in result["step_ms_all"].values())
 
 
+def test_ab_step_instructions_smoke(tmp_path) -> None:
+    out = tmp_path / "ab_instructions.json"
+    _run("ab_step.py", "--instructions", "--smoke", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["unit"] == "instructions"
+    assert set(result["step_instructions"]) == {"patched", "stock", "reentrant"}
+    assert all(len(v) == result["rounds"] for v in result["step_instructions_all"].values())
+    assert all(c > 0 for v in result["step_instructions_all"].values() for c in v)
+    low, high = result["patched_over_stock_range"]
+    assert low <= result["patched_over_stock"] <= high  # the median of both ranks' rounds
+
+
 def test_value_check_smoke(tmp_path) -> None:
     out = tmp_path / "value.json"
     _run("value_check.py", "--smoke", "--json", str(out))
