@@ -187,26 +187,12 @@ class CallLog:
 
         ``stamp``: autograd's sequence number when a call runs without grad (reentrant-style checkpoints run
         their forward so), else -1; it tells a checkpoint's own call from an eval pass on the same leaves."""
+        if len(tensors) == 1:
+            self.record_one(tensors[0], call, stamp)
+            return
         self.last = call
         by_key = self.by_key
-        if len(tensors) == 1:
-            x = tensors[0]
-            key: Any = id(x)
-            try:
-                version = x._version
-            except RuntimeError:  # an inference tensor
-                version = -1
-            seen = by_key.get(key)
-            if seen is not None:  # the same leaf again; or a dead record under a reused id, or one changed in place
-                if seen[_REFS][0]() is x and seen[_VERSIONS][0] == version:
-                    self._again(key, seen, (call, stamp))
-                    return
-                if key in self.indexed:  # the old record goes (the new one to the end, out of the index)
-                    self._drop(key)
-                else:
-                    del by_key[key]
-            by_key[key] = ((_ref(x),), (version,), ((call, stamp),))
-        elif tensors:
+        if tensors:
             key = tuple(map(id, tensors))
             seen = by_key.get(key)
             if seen is not None:
@@ -218,6 +204,28 @@ class CallLog:
         else:
             self.unkeyed = call
             return
+        if len(by_key) >= self.sweep_at:
+            self.sweep()
+
+    def record_one(self, x: torch.Tensor, call: Any, stamp: int) -> None:
+        """:meth:`record` of a call whose one leaf is ``x``."""
+        self.last = call
+        by_key = self.by_key
+        key = id(x)
+        try:
+            version = x._version
+        except RuntimeError:  # an inference tensor
+            version = -1
+        seen = by_key.get(key)
+        if seen is not None:  # the same leaf again; or a dead record under a reused id, or one changed in place
+            if seen[_REFS][0]() is x and seen[_VERSIONS][0] == version:
+                self._again(key, seen, (call, stamp))
+                return
+            if key in self.indexed:  # the old record goes (the new one to the end, out of the index)
+                self._drop(key)
+            else:
+                del by_key[key]
+        by_key[key] = ((_ref(x),), (version,), ((call, stamp),))
         if len(by_key) >= self.sweep_at:
             self.sweep()
 
@@ -289,13 +297,20 @@ class CallLog:
     def sweep(self) -> None:
         """Drop the dead records (a leaf freed), and their index entries; the next sweep comes when the log has
         doubled (at least :data:`SWEEP_FLOOR` records)."""
-        by_key = self.by_key
+        by_key, indexed = self.by_key, self.indexed
         for key, record in list(by_key.items()):
-            if not _alive(record) and by_key.get(key) is record:  # not made again meanwhile on another thread
-                try:  # (which can still happen right here: its new record then goes too, a replay lost, never
-                    self._drop(key)  # a wrong one; or it is gone already)
-                except KeyError:
-                    pass
+            refs = record[_REFS]
+            if refs[0]() is not None and (len(refs) == 1 or _alive(record)):
+                continue
+            if by_key.get(key) is not record:  # made again meanwhile on another thread
+                continue
+            if key not in indexed:  # (a record made again right here goes too: a replay lost, never a wrong one)
+                by_key.pop(key, None)
+                continue
+            try:
+                self._drop(key)
+            except KeyError:  # gone already
+                pass
         self.sweep_at = max(SWEEP_FLOOR, 2 * len(self.by_key))
 
     def _drop(self, key: Any) -> None:
