@@ -297,20 +297,16 @@ class CallLog:
     def sweep(self) -> None:
         """Drop the dead records (a leaf freed), and their index entries; the next sweep comes when the log has
         doubled (at least :data:`SWEEP_FLOOR` records)."""
-        by_key, indexed = self.by_key, self.indexed
+        by_key = self.by_key
         for key, record in list(by_key.items()):
             refs = record[_REFS]
             if refs[0]() is not None and (len(refs) == 1 or _alive(record)):
                 continue
-            if by_key.get(key) is not record:  # made again meanwhile on another thread
-                continue
-            if key not in indexed:  # (a record made again right here goes too: a replay lost, never a wrong one)
-                by_key.pop(key, None)
-                continue
-            try:
-                self._drop(key)
-            except KeyError:  # gone already
-                pass
+            if by_key.get(key) is record:  # not made again meanwhile on another thread
+                try:  # (which can still happen right here: its new record then goes too, a replay lost, never
+                    self._drop(key)  # a wrong one; or it is gone already)
+                except KeyError:
+                    pass
         self.sweep_at = max(SWEEP_FLOOR, 2 * len(self.by_key))
 
     def _drop(self, key: Any) -> None:
