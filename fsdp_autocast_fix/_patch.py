@@ -76,7 +76,7 @@ class _Module:
     """
 
     __slots__ = ("cover", "cover_key", "state", "pre_backward", "device_types", "may_move", "grouped", "varies",
-                 "cached", "name", "log", "record", "record_one", "placement", "replayer", "replays", "__weakref__")
+                 "cached", "name", "log", "placement", "replayer", "__weakref__")
 
     def __init__(self, cover: _Cover, module: torch.nn.Module, slots: _compat.HookSlots) -> None:
         self.cover, self.cover_key = cover, id(cover)  # the cast-cache hazards are kept per FSDP state
@@ -87,10 +87,8 @@ class _Module:
         self.cached = cover.caches_parameters  # whether its calls can leave a cast-cache hazard (see _cache)
         self.name = _compat.user_class_name(module)
         self.log = _calls.CallLog()
-        self.record, self.record_one = self.log.record, self.log.record_one  # bound once: the hot path's
         self.placement = Placement(cover.state, slots)
         self.replayer = Replayer(cover, self.log, self.placement, self.grouped, self.name)
-        self.replays = self.replayer.replays  # the replayer's list itself, read on every call
         self.placement.install(module, self.entry, self.replayer.post_forward, self.replayer.exit, self.begin)
 
     def entry(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -99,7 +97,7 @@ class _Module:
         if placement.lead is None:
             self.begin(module, args, kwargs)
         result = placement.fsdp_call(module, args, kwargs)
-        replays = self.replays
+        replays = self.replayer.replays
         if replays and replays[-1].pre_pending:
             return self.replayer.pre_casts(args, kwargs, result)
         return result
@@ -110,7 +108,7 @@ class _Module:
         if _graph_task_id() != -1:  # a recompute: only a backward runs one (FSDP stays in PRE_BACKWARD after a
             self.replayer.start(module, _leaves(args, kwargs))  # backward that raised)
             return
-        if self.replays:  # left by an interrupted recompute (KeyboardInterrupt skips always_call hooks)
+        if self.replayer.replays:  # left by an interrupted recompute (KeyboardInterrupt skips always_call hooks)
             self.replayer.drop_stale()
         if _held[0]:  # a recompute region's entered state outlived its backward
             _release_region()
@@ -125,9 +123,9 @@ class _Module:
         if _is_inference_mode_enabled():  # an inference-mode call is never recomputed, even under enable_grad
             return  # (recorded, its state would be merged into the record of the training call on its input)
         if len(args) == 1 and not kwargs and type(args[0]) is _Tensor:  # the common case, spelled out
-            self.record_one(args[0], call, -1 if grad else _sequence_nr())
+            self.log.record_one(args[0], call, -1 if grad else _sequence_nr())
         else:
-            self.record(_leaves(args, kwargs), call, -1 if grad else _sequence_nr())
+            self.log.record(_leaves(args, kwargs), call, -1 if grad else _sequence_nr())
 
     def _call(self, module: torch.nn.Module, now: Any, grad: bool) -> tuple[Any, ...]:
         """The record of a call under the autocast state ``now``, grad mode ``grad``; first, under autocast with
