@@ -14,7 +14,8 @@ JSON keys: ``torch``, ``grad`` (``off``/``on``), ``autocast`` (``off``/``bf16``)
 ``stock_ns``, ``patched_ns``, ``fsdp_hook_ns`` (stock - unsharded), ``added_ns`` (median paired patched -
 stock), ``added_over_fsdp_hook`` (the target is <= 0.01), ``ratio`` (patched / stock); and for the paths
 measured on the hooks directly, ``path`` (``ordinary``, ``ordinary-autocast``, ``recompute``,
-``recompute-region``, ``recompute-entered``, each also ``-fp32-params``, ``disable-wrapper``),
+``recompute-region``, ``recompute-entered``, each also ``-fp32-params``, ``disable-wrapper``; ``floor-record``,
+``floor-record-autocast`` and ``floor-replay``: the operations an exact record or replay cannot leave out, alone),
 ``ns_per_call``, ``over_fsdp_hook``.
 
 ``--instructions`` counts, instead of timing, the instructions of the blocks of calls under valgrind's callgrind
@@ -42,6 +43,7 @@ import socket
 import statistics
 import sys
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -242,6 +244,7 @@ def _hooks_directly(module: nn.Module, fp32_module: nn.Module, rounds: int, call
             for _ in range(rounds):
                 samples.append((cost(records) - cost(baseline)) / calls)
         results.append({"torch": torch.__version__, "path": path, unit: statistics.median(samples)})
+    results += _floors(module, x, rounds, calls, cost, unit)
     for covered, suffix in ((module, ""), (fp32_module, "-fp32-params")):
         cover = _patch._covers[id(_compat.load().state_of(covered))]
         module_cover, replayer = cover.modules[0], cover.modules[0].replayer
@@ -267,6 +270,77 @@ def _hooks_directly(module: nn.Module, fp32_module: nn.Module, rounds: int, call
             wrapped(module, args, {})
         samples.append((time.perf_counter_ns() - start) / calls)
     results.append({"torch": torch.__version__, "path": "disable-wrapper", "ns_per_call": statistics.median(samples)})
+    return results
+
+
+def _floors(module: nn.Module, x: torch.Tensor, rounds: int, calls: int, cost: Any, unit: str) -> list[dict[str, Any]]:
+    """What any exact record or replay of this design costs at least: the operations the patch cannot leave
+    out, done alone in the same loops as ``ordinary`` and ``recompute-region`` (``cost``: timed or counted).
+
+    ``floor-record``: the record of a call on one tensor (a weak reference that outlives the tensor, its version
+    counter, one tuple stored under its id), on a fresh ``detach()`` that is then freed; ``floor-record-autocast``:
+    the same with autocast's state read through torch's getters (enabled and dtype for the device type, the
+    cache flag). ``floor-replay``: what a replay reads and writes inside a backward pass, within an autocast
+    region of the checkpoint's own: the graph task, the backward node and its sequence number, autocast's state,
+    autocast's nesting count (up and down again), and a forward hook added to the module's hook dicts and taken
+    off again (the exit hook)."""
+    results = []
+    store: dict[int, Any] = {}
+
+    def baseline() -> None:
+        for _ in range(calls):
+            x.detach()
+
+    def records() -> None:
+        for _ in range(calls):
+            t = x.detach()
+            store[id(t)] = ((weakref.ref(t),), (t._version,), ((None, -1),))
+
+    def records_autocast() -> None:
+        for _ in range(calls):
+            t = x.detach()
+            state = ((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),), \
+                torch.is_autocast_cache_enabled()
+            store[id(t)] = ((weakref.ref(t),), (t._version,), ((state, -1),))
+
+    for path, block, autocast in (("floor-record", records, False), ("floor-record-autocast", records_autocast,
+                                                                      True)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            samples = [cost(block) - cost(baseline) for _ in range(rounds)]
+        results.append({"torch": torch.__version__, "path": path, unit: statistics.median(samples) / calls})
+    hooks, always_called = module._forward_hooks, module._forward_hooks_always_called
+    exit_hook = _hooks.eager(lambda module, args, output: None)
+    key = -1  # a key no registration uses
+    replay_samples: list[float] = []
+
+    def replays() -> None:
+        region = torch.autocast("cpu", dtype=torch.bfloat16)
+
+        def baseline() -> None:
+            for _ in range(calls):
+                with region:
+                    pass
+
+        def reads() -> None:
+            for _ in range(calls):
+                with region:
+                    torch._C._current_graph_task_id()
+                    node = torch._C._current_autograd_node()
+                    node._sequence_nr()
+                    ((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),), \
+                        torch.is_autocast_cache_enabled()
+                    torch.autocast_increment_nesting()
+                    torch.autocast_decrement_nesting()
+                    hooks[key] = exit_hook
+                    always_called[key] = True
+                    hooks.pop(key)
+                    always_called.pop(key)
+
+        for _ in range(rounds):
+            replay_samples.append((cost(reads) - cost(baseline)) / calls)
+
+    _in_backward(replays)
+    results.append({"torch": torch.__version__, "path": "floor-replay", unit: statistics.median(replay_samples)})
     return results
 
 

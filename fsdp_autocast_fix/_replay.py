@@ -43,6 +43,8 @@ _current_node = torch._C._current_autograd_node
 _is_autocast_cache_enabled = torch.is_autocast_cache_enabled
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
 _is_grad_enabled = torch.is_grad_enabled
+_capture_enabled = _autocast.capture_enabled
+_ALL_OFF = _autocast.ALL_OFF
 _tls = threading.local()
 
 #: The casts FSDP does for a module sharded alone: its inputs and its output, every call.
@@ -83,19 +85,20 @@ class Region:
         return self.where == here and self.now == now and _autocast.nesting() == self.depth
 
     @staticmethod
-    def here() -> tuple[int, Any]:
-        node = _current_node()  # the backward node whose execution runs this recompute
-        return _graph_task_id(), node._sequence_nr() if node is not None else None
+    def here(graph_task: int) -> tuple[int, Any]:
+        """Where a recompute in the backward ``graph_task`` runs: that and the backward node that runs it."""
+        node = _current_node()
+        return graph_task, node._sequence_nr() if node is not None else None
 
     @staticmethod
     def current() -> Region | None:
         return getattr(_tls, "region", None)
 
     def start(self) -> None:
-        """Make this the thread's current region (ending the hold of the one before); a hold ends with its
-        backward: one callback per backward and thread releases whichever region holds then (queued again where
-        another backward's came in between, or where it ran already; a second one changes nothing)."""
-        release_region()
+        """Make this the thread's current region, where it has none (the one before released: its hold ended);
+        a hold ends with its backward: one callback per backward and thread releases whichever region holds then
+        (queued again where another backward's came in between, or where it ran already; a second one changes
+        nothing)."""
         _tls.region = self
         if self.entered is not None:
             held[0] += 1
@@ -124,8 +127,12 @@ def release_region(restore: bool = False) -> None:
     hold back, if the hold is active; else the state is left as it is: paused, the region's exit put it back, and
     after an interrupt the autograd engine did)."""
     region = Region.current()
-    if region is None:
-        return
+    if region is not None:
+        _end(region, restore)
+
+
+def _end(region: Region, restore: bool = False) -> None:
+    """:func:`release_region` of ``region``, this thread's current region."""
     _tls.region = None
     if region.entered is not None:
         held[0] -= 1
@@ -196,7 +203,8 @@ class Replayer:
         entered = None
         outermost = not stack_of_frames
         if outermost:  # the outermost covered module of this recompute: the call it replays
-            chosen, entered = self._choose(module, tensors, _autocast.capture(cover.device_types))
+            now = _capture_enabled(cover.device_types) if _any_autocast_enabled() else _ALL_OFF
+            chosen, entered = self._choose(module, tensors, now, graph_task)
             _report.count_recompute(self.name, entered is not None)
         else:
             chosen = None  # inside a replayed module: it re-runs as in the forward
@@ -227,16 +235,17 @@ class Replayer:
             self.placement.swap_post(True)
         self.placement.register_exit(module)
 
-    def _choose(self, module: torch.nn.Module, tensors: list[torch.Tensor],
-                now: Any) -> tuple[Any, _autocast.Entered | None]:
+    def _choose(self, module: torch.nn.Module, tensors: list[torch.Tensor], now: Any,
+                graph_task: int) -> tuple[Any, _autocast.Entered | None]:
         """The recorded call to replay (or None: leave the state as the checkpoint set it), and the entered state
-        this call runs under (its region's), if the call's state is not the current one.
+        this call runs under (its region's), if the call's state is not the current one. The thread's region
+        before is released unless the call follows it.
 
         Under ``torch.utils.checkpoint`` (either mode; also ``checkpoint_wrapper``, the composable checkpoint and
         selective checkpointing) and inside :func:`fsdp_autocast_fix.preserve_autocast` the state is never
         changed: they restore the forward's autocast state at the region's start, and the region's code sets the
         rest as in the forward."""
-        here = Region.here()
+        here = Region.here(graph_task)
         region = Region.current()
         calls = self.log.find(tensors)
         if region is not None:
@@ -244,7 +253,7 @@ class Replayer:
                 if region.entered is not None:
                     region.entered.resume()
                 return region.call[:1] + (False,) + self._casts_of(module), region.entered
-            release_region()
+            _end(region)
         if calls is not None:
             chosen = calls[0][0] if len(calls) == 1 else self._pick(module, calls, now)
         elif not tensors and self.log.unkeyed is not None:  # only parameters as tensors: the latest such call
