@@ -57,8 +57,16 @@ VARIANTS = ("patched", "stock", "reentrant")
 def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], rounds: int, out_path: str,
             counted: bool = False) -> None:
     sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from ranks import spawned_group  # the group torn down in step (gloo's shutdown races otherwise)
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    with spawned_group(rank, world, port):
+        _ab(rank, world, cfg, rounds, out_path, counted)  # what holds the group is freed on its return
+
+
+def _ab(rank: int, world: int, cfg: dict[str, Any], rounds: int, out_path: str, counted: bool) -> None:
+    """This rank's A/B rounds; rank 0 writes the result to ``out_path``."""
     import fsdp_autocast_fix
     from fsdp_autocast_fix import _compat
 
@@ -125,7 +133,6 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], rounds: int, 
             result["patched_over_stock_range"] = [min(ratios("patched")), max(ratios("patched"))]
         with open(out_path, "w") as f:
             json.dump(result, f)
-    dist.destroy_process_group()
 
 
 def run(cfg: dict[str, Any], rounds: int, world: int = 2, counted: bool = False) -> dict[str, Any]:

@@ -132,12 +132,24 @@ def _reset_peak_rss() -> None:
 
 def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], out_path: str) -> None:
     sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from ranks import tear_down  # the group torn down in step (gloo's shutdown races otherwise)
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     result: dict[str, Any] = {"variant": cfg["variant"], "torch": torch.__version__, "step_ms_median": None,
                               "step_ms_all": [], "peak_rss_mib": None, "peak_rss_increase_mib": None,
                               "cuda_max_allocated_mib": None, "all_gathers_per_step": None,
                               "reduce_scatters_per_step": None, "losses": []}
+    _measure(rank, cfg, result)  # what holds the group is freed on its return
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    tear_down(clean=bool(result.get("ok")))
+
+
+def _measure(rank: int, cfg: dict[str, Any], result: dict[str, Any]) -> None:
+    """This rank's steps of ``cfg``'s variant, into ``result`` (``ok`` False and the error where one raised)."""
     try:
         import fsdp_autocast_fix
         from fsdp_autocast_fix import _compat
@@ -198,10 +210,6 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], out_path: str
     except Exception as e:
         result.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                       traceback=traceback.format_exc())
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
 
 
 def _free_port() -> int:
