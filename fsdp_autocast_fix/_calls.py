@@ -247,8 +247,13 @@ class CallLog:
         if len(tensors) == 1:  # the common case, spelled out: the very tensor recorded
             t = tensors[0]
             seen = self.by_key.get(id(t))
-            if seen is not None and seen[_REFS][0]() is t and _version(t) == seen[_VERSIONS][0]:
-                return seen[_CALLS]  # type: ignore[no-any-return]
+            if seen is not None and seen[_REFS][0]() is t:
+                try:
+                    version = t._version
+                except RuntimeError:  # an inference tensor (_version)
+                    version = -1
+                if version == seen[_VERSIONS][0]:
+                    return seen[_CALLS]  # type: ignore[no-any-return]
         else:
             seen = self.by_key.get(_key(tensors))
             if seen is not None and _matches(seen, tensors, exact=True):

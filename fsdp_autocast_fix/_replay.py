@@ -45,7 +45,23 @@ _any_autocast_enabled = torch._C._is_any_autocast_enabled
 _is_grad_enabled = torch.is_grad_enabled
 _capture_enabled = _autocast.capture_enabled
 _ALL_OFF = _autocast.ALL_OFF
-_tls = threading.local()
+_increment_nesting = torch.autocast_increment_nesting
+_decrement_nesting = torch.autocast_decrement_nesting
+
+
+class _Thread(threading.local):
+    """This thread's replay state, each read as one attribute: its recomputes in flight (``frames``, outermost
+    first), its current :class:`Region`, the backward whose end releases its hold (``ending``), and how many
+    :func:`restored` blocks it is in."""
+
+    def __init__(self) -> None:
+        self.frames: list[Replay] = []
+        self.region: Region | None = None
+        self.ending: int | None = None
+        self.restored = 0
+
+
+_tls = _Thread()
 
 #: The casts FSDP does for a module sharded alone: its inputs and its output, every call.
 ALL_CAST = (True, True)
@@ -54,11 +70,7 @@ ALL_CAST = (True, True)
 def frames() -> list[Replay]:
     """This thread's recomputes in flight, outermost first (autograd may recompute on its own threads): the
     replays of the outermost covered modules being recomputed."""
-    try:
-        return _tls.frames  # type: ignore[no-any-return]
-    except AttributeError:
-        _tls.frames = []
-        return _tls.frames  # type: ignore[no-any-return]
+    return _tls.frames
 
 
 class Region:
@@ -85,14 +97,9 @@ class Region:
         return self.where == here and self.now == now and _autocast.nesting() == self.depth
 
     @staticmethod
-    def here(graph_task: int) -> tuple[int, Any]:
-        """Where a recompute in the backward ``graph_task`` runs: that and the backward node that runs it."""
-        node = _current_node()
-        return graph_task, node._sequence_nr() if node is not None else None
-
-    @staticmethod
     def current() -> Region | None:
-        return getattr(_tls, "region", None)
+        """This thread's current region, if it has one."""
+        return _tls.region
 
     def start(self) -> None:
         """Make this the thread's current region, where it has none (the one before released: its hold ended);
@@ -103,7 +110,7 @@ class Region:
         if self.entered is not None:
             held[0] += 1
             graph_task = self.where[0]
-            if graph_task != -1 and getattr(_tls, "ending", None) != graph_task:
+            if graph_task != -1 and _tls.ending != graph_task:
                 _tls.ending = graph_task
                 _compat.load().queue_backward_callback(functools.partial(_end_of_backward, graph_task))
 
@@ -111,7 +118,7 @@ class Region:
 @contextlib.contextmanager
 def restored() -> Iterator[None]:
     """A block whose autocast state is the forward's, restored by the checkpoint (``preserve_autocast``'s)."""
-    _tls.restored = getattr(_tls, "restored", 0) + 1
+    _tls.restored += 1
     try:
         yield
     finally:
@@ -126,7 +133,7 @@ def release_region(restore: bool = False) -> None:
     """End this thread's current region, and its hold if it has one (``restore``: put the state from before the
     hold back, if the hold is active; else the state is left as it is: paused, the region's exit put it back, and
     after an interrupt the autograd engine did)."""
-    region = Region.current()
+    region = _tls.region
     if region is not None:
         _end(region, restore)
 
@@ -144,9 +151,9 @@ def _end_of_backward(graph_task: int) -> None:
 
     A hold started after this (a forward in a final callback queued later, still in ``graph_task``) queues its
     own release again: the thread's pending mark is cleared first."""
-    if getattr(_tls, "ending", None) == graph_task:
+    if _tls.ending == graph_task:
         _tls.ending = None
-    region = Region.current()
+    region = _tls.region
     if region is not None and region.entered is not None and region.where[0] == graph_task \
             and region.entered.thread == threading.get_ident():
         release_region()
@@ -197,7 +204,7 @@ class Replayer:
         cover = self.cover
         state = cover.state
         graph_task = _graph_task_id()
-        stack_of_frames = frames()
+        stack_of_frames = _tls.frames
         if stack_of_frames and stack_of_frames[0].graph_task != graph_task:  # left by an earlier backward
             stack_of_frames.clear()
         entered = None
@@ -245,8 +252,9 @@ class Replayer:
         selective checkpointing) and inside :func:`fsdp_autocast_fix.preserve_autocast` the state is never
         changed: they restore the forward's autocast state at the region's start, and the region's code sets the
         rest as in the forward."""
-        here = Region.here(graph_task)
-        region = Region.current()
+        node = _current_node()  # where: the backward and the node that runs the recompute
+        here = graph_task, node._sequence_nr() if node is not None else None
+        region = _tls.region
         calls = self.log.find(tensors)
         if region is not None:
             if calls is None and region.follows(here, now):
@@ -271,9 +279,10 @@ class Replayer:
                         "checkpoint does not restore autocast, wrap it with fsdp_autocast_fix.preserve_autocast",
                         type(module).__name__)
             return None, None
-        if chosen[0] != now and (getattr(_tls, "restored", 0) or _compat.in_torch_checkpoint()):
+        if chosen[0] != now and (_tls.restored or _compat.in_torch_checkpoint()):
             chosen = (now,) + chosen[1:]
-        depth = _autocast.nesting()
+        depth = _increment_nesting() - 1  # autocast's nesting count now (_autocast.nesting)
+        _decrement_nesting()
         entered = _autocast.Entered(chosen[0], self.cover.device_types) if chosen[0] != now else None
         Region(here, chosen, now, entered, depth).start()
         return chosen, entered
@@ -346,7 +355,7 @@ class Replayer:
         if replay.cast_out and not any(r.cast_out for r in self.replays):
             self.placement.swap_post(False)
         if replay.graph_task is not None:
-            stack_of_frames = frames()
+            stack_of_frames = _tls.frames
             if replay in stack_of_frames:
                 stack_of_frames.remove(replay)
 

@@ -2,7 +2,9 @@
 
 Invariant: every count is incremented on a path that runs only when the patch changes something or sees a
 recompute (the replay, the cast-cache drop), so that a report costs an ordinary forward nothing; the counts
-start at zero when the process starts, at :func:`fsdp_autocast_fix.apply` and at ``report(reset=True)``.
+start at zero when the process starts, at :func:`fsdp_autocast_fix.apply` and at ``report(reset=True)``. Each
+thread adds to a table of its own, without a lock (a replay pays no lock); a report sums every thread's table,
+those of threads that have ended included, less the sums at the last reset.
 """
 
 from __future__ import annotations
@@ -19,10 +21,26 @@ from typing import Mapping
 #: The environment variable that prints the report at interpreter exit: ``1`` on rank 0, ``all`` on every rank.
 ENV = "FSDP_AUTOCAST_FIX_REPORT"
 
-_lock = threading.Lock()
-_counts: dict[tuple[str, str], int] = {}  # (module class, field) -> count (a plain dict: the cheapest to add to)
+_lock = threading.Lock()  # guards _tables, _ended, _baseline and _reasons
+#: Each live thread's counts, (module class, field) -> count, with its thread; a thread adds to its own only.
+_tables: list[tuple[threading.Thread, dict[tuple[str, str], int]]] = []
+_ended: Counter[tuple[str, str]] = Counter()  # the counts of threads that have ended, folded in by a report
+_baseline: dict[tuple[str, str], int] = {}  # the sums of the tables at the last reset
 _reasons: dict[str, set[str]] = {}  # module class -> why its recomputes could not be identified
 _armed = [False]
+
+
+class _Table(threading.local):
+    """This thread's counts (a plain dict, the cheapest to add to), listed in ``_tables`` when first used (so
+    never first used under ``_lock``)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+        with _lock:
+            _tables.append((threading.current_thread(), self.counts))
+
+
+_mine = _Table()
 
 
 @dataclass(frozen=True)
@@ -105,38 +123,53 @@ class Report(ModuleReport):
 
 def count(cls: str, what: str, n: int = 1) -> None:
     """Add ``n`` to ``what`` (a :class:`ModuleReport` field) for module class ``cls``."""
+    counts = _mine.counts
     key = cls, what
-    with _lock:
-        _counts[key] = _counts.get(key, 0) + n
+    counts[key] = counts.get(key, 0) + n
 
 
 def count_recompute(cls: str, autocast_changed: bool) -> None:
     """A replayed recompute of a ``cls`` module (``autocast_changed``: the replay entered the call's state)."""
+    counts = _mine.counts
     key = cls, "recomputes"
-    with _lock:
-        _counts[key] = _counts.get(key, 0) + 1
-        if autocast_changed:
-            key = cls, "autocast_changed"
-            _counts[key] = _counts.get(key, 0) + 1
+    counts[key] = counts.get(key, 0) + 1
+    if autocast_changed:
+        key = cls, "autocast_changed"
+        counts[key] = counts.get(key, 0) + 1
 
 
 def unidentified(cls: str, reason: str) -> None:
     """A recompute of a ``cls`` module whose call was not identified, and why."""
+    counts = _mine.counts  # outside the lock (see _Table)
     key = cls, "unidentified"
-    with _lock:
-        _counts[key] = _counts.get(key, 0) + 1
+    with _lock:  # the count and its reason together, on one side of a reset
+        counts[key] = counts.get(key, 0) + 1
         _reasons.setdefault(cls, set()).add(reason)
 
 
 def snapshot(reset: bool = False) -> Report:
-    """The counts as a :class:`Report`; ``reset`` starts them again at zero."""
+    """The counts as a :class:`Report`; ``reset`` starts them again at zero (a count another thread adds
+    meanwhile falls on one side of the reset)."""
+    global _baseline
     with _lock:
+        live = []
+        for thread, table in _tables:
+            if thread.is_alive():
+                live.append((thread, table))
+            else:  # it adds no more: folded in, so that threads come and go without the list growing
+                _ended.update(table)
+        _tables[:] = live
+        sums = Counter(_ended)
+        for _, table in live:
+            sums.update(table.copy())  # one step under the GIL, whatever its thread adds meanwhile
         per: dict[str, Counter[str]] = {}
-        for (cls, what), n in _counts.items():
-            per.setdefault(cls, Counter())[what] += n
+        for key, n in sums.items():
+            n -= _baseline.get(key, 0)
+            if n:
+                per.setdefault(key[0], Counter())[key[1]] += n
         reasons = {cls: tuple(sorted(r)) for cls, r in _reasons.items()}
         if reset:
-            _counts.clear()
+            _baseline = dict(sums)
             _reasons.clear()
     by_module = {cls: ModuleReport(**c) for cls, c in per.items()}
     totals = {f.name: sum(getattr(m, f.name) for m in by_module.values()) for f in fields(ModuleReport)}

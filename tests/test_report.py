@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+from typing import Callable
 
 import grid as G
 import pytest
@@ -16,7 +18,7 @@ from conftest import free_port
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 import fsdp_autocast_fix
-from fsdp_autocast_fix import _compat
+from fsdp_autocast_fix import _compat, _report
 
 pytestmark = pytest.mark.usefixtures("pg")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -120,6 +122,40 @@ def test_reset_starts_again_at_zero() -> None:
     first = _report_of(cell)
     assert fsdp_autocast_fix.report(reset=True) == first
     assert _counts(fsdp_autocast_fix.report()) == _expect()
+
+
+def test_counts_of_other_threads_outlive_them_and_reset() -> None:
+    """Each thread adds to a count table of its own: a run on another thread is counted, after that thread ends
+    too, as are counts from threads that come and go, which leave no table behind; a reset takes them all off."""
+    cell = G.Cell("fn_no_restore", "fp32_params", "bf16", "outside", "none", "none", "root")
+    errors: list[BaseException] = []
+
+    def on_threads(n: int, work: Callable[[], None]) -> None:
+        def target() -> None:
+            try:
+                work()
+            except BaseException as error:  # noqa: BLE001 (raised in the test's thread below)
+                errors.append(error)
+        for _ in range(n):
+            thread = threading.Thread(target=target)
+            thread.start()
+            thread.join()
+        assert not errors, errors
+
+    def run() -> None:  # apply() in it starts the counts at zero
+        with set_checkpoint_early_stop(True):
+            result = G.run(cell, "apply")
+        assert result.error is None, repr(result.error)
+
+    on_threads(1, run)
+    assert _counts(fsdp_autocast_fix.report()) == _expect(recomputes=1, autocast_changed=1)
+    tables = len(_report._tables)
+    on_threads(5, lambda: _report.count_recompute("Block", autocast_changed=False))
+    report = fsdp_autocast_fix.report(reset=True)
+    assert _counts(report) == _expect(recomputes=6, autocast_changed=1)
+    assert len(_report._tables) <= tables  # the ended threads' tables folded in
+    assert _counts(fsdp_autocast_fix.report()) == _expect()
+    assert _counts(_report_of(cell)) == _expect(recomputes=1, autocast_changed=1)  # this thread's, after a reset
 
 
 def test_counting_stays_off_the_ordinary_forward() -> None:
