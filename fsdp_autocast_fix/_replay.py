@@ -268,7 +268,7 @@ class Replayer:
             chosen = self.log.unkeyed
         else:
             last = self.log.last
-            if last is not None and last[0] != now and not _compat.in_torch_checkpoint():
+            if last is not None and last[0] != now and not _tls.restored and not _compat.in_torch_checkpoint():
                 _report.unidentified(self.name, "no recorded call got its tensor arguments (computed in the "
                                                 "region, or copied by the checkpoint)")
                 if not self.warned:

@@ -16,7 +16,9 @@ A cell is one value per dimension (:data:`DIMENSIONS`):
   region, both forwards first, an eval forward between their backwards; two steps with an eval forward between
   them; ``backward(retain_graph=True)``, an eval forward, a second backward; two forwards under different
   autocast states before one backward; two forwards in one autocast region, then two backwards
-  (``same_region``) or one backward of their sum (``two_passes``, two views of a batch);
+  (``same_region``) or one backward of their sum (``two_passes``, two views of a batch); a forward and backward
+  of the step's input without checkpoint, under another autocast state, between the step's forward and its
+  backward (``plain_pass``: an auxiliary loss on the same batch);
 * ``hooks``: user hooks on every sharded module: forward pre-hook registered before / after sharding /
   after sharding with ``prepend=True``, forward hook before / after sharding, or one after sharding that
   returns a bf16 tensor; a global module forward pre-hook or forward hook (``register_module_forward_pre_hook``,
@@ -86,7 +88,7 @@ FRONTENDS = ("none", "torch", "torch_reentrant", "wrapper", "composable", "selec
 #: Front ends whose checkpoint does not restore the forward's autocast state in the recompute.
 NOT_RESTORING = ("fn_no_restore", "fn_disable", "deepspeed", "deepspeed_non_reentrant")
 #: Histories whose backwards accumulate into the same gradients more than once.
-MULTI_BACKWARD = ("micro_batches", "same_region", "eval_between_steps", "retain_graph")
+MULTI_BACKWARD = ("micro_batches", "same_region", "eval_between_steps", "retain_graph", "plain_pass")
 #: Front ends whose recompute runs in a backward of its own (an autograd.Function's backward).
 REENTRANT = ("torch_reentrant", "fn_restore", "fn_no_restore", "fn_disable", "deepspeed")
 DIMENSIONS: dict[str, tuple[str, ...]] = {
@@ -95,7 +97,7 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "autocast": ("bf16", "fp16", "off", "bf16_no_cache"),
     "backward": ("inside", "outside"),
     "history": ("none", "eval_before", "eval_before_same_input", "eval_in_region", "eval_between", "micro_batches",
-                "eval_between_steps", "retain_graph", "mixed_states", "same_region", "two_passes"),
+                "eval_between_steps", "retain_graph", "mixed_states", "same_region", "two_passes", "plain_pass"),
     "hooks": ("none", "pre_before", "pre_after", "pre_after_prepend", "post_before", "post_after",
               "post_after_bf16", "global_pre", "global_post", "full_backward"),
     "topology": ("root", "layers", "nested", "grouped", "grouped_each"),
@@ -135,7 +137,14 @@ class Cell:
         """Whether the patch needs :func:`fsdp_autocast_fix.preserve_autocast` around the checkpoint here: the
         region runs unsharded ops before its first sharded call, whose input nothing recorded then names, and the
         checkpoint does not restore autocast itself (documented; the patched modes wrap it). A global forward
-        pre-hook that changes the input is such an op: it runs before any hook of the module."""
+        pre-hook that changes the input is such an op: it runs before any hook of the module. So is the same input
+        run under two autocast states before one recompute, where the patch cannot tell the checkpointed call from
+        the other and the checkpoint is not torch's (``plain_pass`` where a call with grad enabled is recorded
+        whether or not a checkpoint runs it: on a torch without a reader of the saved-tensor hooks, 2.4-2.7, and
+        on a module with a forward pre-hook of the user's, which could push such hooks)."""
+        if self.history == "plain_pass" and self.frontend in ("fn_restore",) + NOT_RESTORING and (
+                self.hooks.startswith("pre") or _compat.load().saved_tensors_hooks is None):
+            return True
         return (self.region == "pre_ops" or self.hooks == "global_pre") and self.frontend in NOT_RESTORING
 
     def shares_a_cast(self) -> bool:
@@ -157,6 +166,8 @@ class Cell:
         bitwise (each rule says why)."""
         if self.autocast == "off" and self.backward == "inside":
             return False  # the same as outside
+        if self.frontend == "none" and self.history == "plain_pass":
+            return False  # without a checkpoint, the same computation as "mixed_states" on one input
         if self.region == "two_modules" and self.topology not in ("layers", "nested", "grouped_each"):
             return False  # needs two sharded units one after the other
         if self.frontend == "none" and self.region in ("nested", "across"):
@@ -287,6 +298,11 @@ NAMED: dict[str, tuple[Cell, str]] = {
     "views_of_one_batch_micro_batches_reentrant_custom_checkpoint":
         (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "micro_batches", "none", "root", "module",
               "views"), "broken"),
+    # 5. A call no checkpoint can recompute is no candidate for a recompute (grad enabled, no saved-tensor hooks).
+    "plain_pass_on_the_step_input_custom_checkpoint":
+        (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "plain_pass", "none", "root"), "broken"),
+    "plain_pass_on_the_step_input_restoring_custom_checkpoint":
+        (Cell("fn_restore", "fp32_params", "bf16", "outside", "plain_pass", "none", "root"), "fine"),
 }
 if deepspeed_available():
     NAMED.update({
@@ -690,15 +706,16 @@ def _autocast(autocast: str, cache: bool = True) -> Any:
 
 
 def _other_autocast(autocast: str, cache: bool) -> Any:
-    """Another autocast state than the cell's (for ``mixed_states``)."""
+    """Another autocast state than the cell's (for ``mixed_states`` and ``plain_pass``)."""
     return _autocast("off" if autocast != "off" else "bf16", cache)
 
 
 def _step(cell: Cell, forward: Callable[[torch.Tensor], torch.Tensor], model: nn.Module,
-          eval_call: Callable[[torch.Tensor], Any], inputs: list[torch.Tensor], cache: bool,
+          call: Callable[[torch.Tensor], Any], inputs: list[torch.Tensor], cache: bool,
           reference: bool) -> None:
     """Run the cell's history around its training step(s): forwards through the checkpoint, backwards, evals.
 
+    ``call`` runs the model's own calls on some data (no checkpoint: eval passes, ``plain_pass``).
     ``backward == "inside"`` runs each backward in the autocast region of its forward where the history
     keeps that region open, else in a fresh region with the same state. ``reference``: the ground truth's run,
     where a cast cached by the eval forward inside the training's autocast region is dropped after it, as plain
@@ -708,16 +725,20 @@ def _step(cell: Cell, forward: Callable[[torch.Tensor], torch.Tensor], model: nn
     inside = cell.backward == "inside"
     x, x2, x_eval = inputs
 
-    def eval_forward(data: torch.Tensor | None = None, autocast: bool = False) -> None:
+    def plain(data: torch.Tensor) -> Any:
+        """A forward of the model's own calls, no checkpoint."""
         body = getattr(model, "body", None)
         try:
             if body is not None:
-                model.body = None  # an eval pass: the model's own calls, no checkpoint
-            with torch.no_grad(), contextlib.nullcontext() if autocast else torch.autocast("cpu", enabled=False):
-                eval_call(x_eval if data is None else data)
+                model.body = None
+            return call(data)
         finally:
             if body is not None:
                 model.body = body
+
+    def eval_forward(data: torch.Tensor | None = None, autocast: bool = False) -> None:
+        with torch.no_grad(), contextlib.nullcontext() if autocast else torch.autocast("cpu", enabled=False):
+            plain(x_eval if data is None else data)
         if reference and autocast:
             torch.clear_autocast_cache()
 
@@ -726,6 +747,14 @@ def _step(cell: Cell, forward: Callable[[torch.Tensor], torch.Tensor], model: nn
             out.float().pow(2).sum().backward(**kwargs)
 
     history = cell.history
+    if history == "plain_pass":  # the step's input again, without checkpoint, under another state, backwarded
+        with ac():  # before the step's backward
+            out = forward(x)
+        with _other_autocast(cell.autocast, cache):
+            out2 = plain(x)
+        backward(out2)
+        backward(out)
+        return
     if history == "eval_before":
         eval_forward()
     if history == "eval_before_same_input":

@@ -350,3 +350,68 @@ def test_post_hook_stays_where_module_call_is_not_recognised(monkeypatch: pytest
     with torch.autocast("cpu", dtype=S.BF16):
         torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).float().sum().backward()
     assert _hook_count(layer)[1] == 2  # FSDP's and the patch's exit hook, which stays
+
+
+class _InFunctionForward(torch.autograd.Function):
+    """Runs ``fn`` in its forward with grad enabled (autograd keeps forward-mode grad off there)."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Any, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            return fn(x).detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # pragma: no cover - not backwarded
+        return None, grad
+
+
+RECORD_CONTEXTS = ("plain", "no_grad", "saved_tensor_hooks", "torch_checkpoint", "function_forward",
+                   "user_pre_hook", "composable_checkpoint", "grouped_plain", "grouped_no_grad")
+
+
+@pytest.mark.parametrize("context", RECORD_CONTEXTS)
+def test_a_call_is_recorded_exactly_where_a_checkpoint_can_recompute_it(context: str) -> None:
+    """A call with grad enabled outside any checkpoint's forward (no ``no_grad``, no ``autograd.Function``
+    forward, no saved-tensor hooks, no forward pre-hook that could push them) is left unrecorded where torch can
+    read the saved-tensor hooks (2.8+), alone or in a group; every other call is recorded (``_patch._Module``'s
+    invariant). On torch 2.4-2.7 every call is."""
+    fully_shard, policy_cls = S._fsdp()
+    policy = policy_cls()  # no input cast: a grouped module gets the pair's very input
+    fsdp_autocast_fix.apply()
+    if context.startswith("grouped"):
+        pair = nn.Sequential(S.GeluLinear(), S.GeluLinear())
+        fully_shard(list(pair), mp_policy=policy)
+        fully_shard(pair, mp_policy=policy)
+        target, layer = pair, pair[0]  # pair[0] gets the pair's input
+    else:
+        layer = S.GeluLinear()
+        if context == "composable_checkpoint":
+            from torch.distributed._composable import checkpoint as composable_checkpoint
+
+            composable_checkpoint(layer)
+        fully_shard(layer, mp_policy=policy)
+        if context == "user_pre_hook":
+            layer.register_forward_pre_hook(lambda module, args: None)
+        target = layer
+    x = torch.randn(4, S.DIM, requires_grad=True)
+    with torch.autocast("cpu", dtype=S.BF16):
+        if context.endswith("no_grad"):
+            with torch.no_grad():
+                target(x)
+        elif context == "saved_tensor_hooks":
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                target(x)
+        elif context == "torch_checkpoint":
+            torch.utils.checkpoint.checkpoint(target, x, use_reentrant=False)
+        elif context == "function_forward":
+            _InFunctionForward.apply(target, x)
+        else:
+            target(x)
+    (module_cover,) = [m for m in _patch._covers[id(_compat.load().state_of(layer))].modules
+                       if m.placement.slots.entry.hooks is layer._forward_pre_hooks]
+    reader = _compat.load().saved_tensors_hooks
+    recorded = module_cover.log.find([x]) is not None
+    assert recorded == (not context.endswith("plain") or reader is None), (context, torch.__version__)
+    last = module_cover.log.last
+    assert len(last) == 4 and (last[0] is None) == (not recorded)  # no state: a recompute finding none warns
+    assert (reader is not None) == hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
