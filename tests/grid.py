@@ -186,6 +186,11 @@ class Cell:
             return False  # torch: selective checkpointing needs the recompute to run the forward's ops; a region
             # whose forward took a parameter's cast from the cache (cast by an earlier region of the same autocast
             # region) casts it afresh in its recompute ("... not found in storage"), stock or patched
+        if (self.frontend == "selective" and self.history == "mixed_states" and self.region == "across"
+                and self.autocast == "off" and self.precision == "fp32_params"
+                and not _compat.load().needs_cast_replay):
+            return False  # torch 2.13+: the same, for the second forward, which runs under bf16 with the cache
+            # ("aten._to_copy.default invocation index 2 ... not found in storage"), stock or patched
         if self.topology.startswith("grouped") and not _supported("grouped"):
             return False  # torch 2.4: fully_shard takes one module, no fully_shard([a, b])
         if self.frontend == "selective" and not _supported("selective"):
