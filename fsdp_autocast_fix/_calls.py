@@ -162,8 +162,7 @@ class CallLog:
     however many calls are alive. ``sweep_at``: the size of ``by_key`` at which the dead records are swept.
 
     ``unkeyed`` is the latest call with no leaves at all (only parameters, or no tensor): a recompute that finds
-    no record replays it. ``last`` is the latest call's state, for the warning on a recompute that finds none
-    (with no autocast state, None, where that call was left unrecorded).
+    no record replays it. ``last`` is the latest call's state, for the warning on a recompute that finds none.
     """
 
     __slots__ = ("by_key", "by_memory", "indexed", "unkeyed", "last", "sweep_at")

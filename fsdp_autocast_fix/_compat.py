@@ -72,9 +72,6 @@ class Internals:
     #: The code of the wrapper FSDP puts around its hooks to keep torch.compile out of them, which makes a new
     #: ``torch._dynamo.disable`` object on every call (``_dynamo_disable``; ``disable_if_config_true`` in 2.4-2.7).
     fsdp_hook_wrappers: frozenset[types.CodeType]
-    #: The innermost saved-tensor default hooks on this thread (None where none are pushed), read without
-    #: arguments; None where this torch has no such reader (then every call is recorded: see ``_patch._Module``).
-    saved_tensors_hooks: Callable[[], Any] | None = None
 
     def state_of(self, module: torch.nn.Module) -> Any | None:
         """The FSDP state that manages ``module``, or None."""
@@ -226,32 +223,7 @@ def load() -> Internals:
                                       "Variable._execution_engine.queue_callback"),
         needs_cast_replay=_probe_cast_replay(state_cls, pre_backward, mp_policy_cls),
         fsdp_hook_wrappers=_hook_wrappers(state_module),
-        saved_tensors_hooks=_saved_tensors_hooks_reader(),
     )
-
-
-def _probe_hook(t: Any) -> Any:  # pragma: no cover - never called: pushed, only to be read back
-    return t
-
-
-def _saved_tensors_hooks_reader() -> Callable[[], Any] | None:
-    """``torch._C._autograd._top_saved_tensors_default_hooks`` bound to take no argument (it takes
-    ``ignore_is_tracing``; True reads the stack as pushed, also while dynamo traces), if it reads back a pair of
-    hooks pushed here and, once they are popped, what it read before; else None (older torches have no such reader,
-and none is used where saved-tensor hooks are disabled when the internals are first loaded)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
-        return None
-    reader = functools.partial(top, True)
-    try:
-        outside = reader()
-        with torch.autograd.graph.saved_tensors_hooks(_probe_hook, _probe_hook):
-            inside = reader()
-        after = reader()
-    except (RuntimeError, TypeError):  # hooks disabled here, or another signature: record every call
-        return None
-    read_back = isinstance(inside, tuple) and len(inside) == 2 and inside[0] is _probe_hook
-    return reader if read_back and after == outside else None
 
 
 #: All that FSDP's hook wrapper may use besides the function it wraps: ``torch._dynamo.disable`` (and, in

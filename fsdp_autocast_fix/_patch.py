@@ -39,8 +39,6 @@ _any_autocast_enabled = torch._C._is_any_autocast_enabled
 _graph_task_id = torch._C._current_graph_task_id
 _is_inference_mode_enabled = torch.is_inference_mode_enabled
 _is_grad_enabled = torch.is_grad_enabled
-_is_autocast_cache_enabled = torch.is_autocast_cache_enabled
-_is_fwd_grad_enabled = torch._C._is_fwd_grad_enabled
 _sequence_nr = torch._C._autograd._get_sequence_nr
 _capture_enabled = _autocast.capture_enabled
 _leaves = _calls.leaves
@@ -57,9 +55,6 @@ _MOVING_DEVICE_TYPES = frozenset({"cuda", "hpu", "xpu", "mtia", torch._C._get_pr
 _PLAIN_CALL = (_autocast.ALL_OFF, False) + ALL_CAST
 #: The record of such a call after its autocast state, where its calls leave no cast-cache hazard either.
 _PLAIN_REST = _PLAIN_CALL[1:]
-#: ``CallLog.last`` after an unrecorded call of a module sharded alone: no autocast state (it equals none a
-#: recompute runs under, so a recompute that finds no record warns).
-_UNRECORDED = (None, False) + ALL_CAST
 
 _lock = threading.RLock()
 #: id(state) -> _Cover. A cover keeps its state (and so the modules) alive, and the modules' hook dicts,
@@ -78,23 +73,10 @@ class _Module:
     :func:`~._autocast.capture` gives it (captured before FSDP's hook and any user pre-hook after the lead), whether
     FSDP's root moved the inputs to the device, and which of FSDP's casts the forward does (for ``fully_shard([a,
     b])`` only the group's first inputs and last output, in torch 2.5-2.12).
-
-    Invariant: every call a checkpoint can recompute is recorded. A checkpoint keeps autograd from saving what
-    its forward computes: it runs it in an ``autograd.Function``'s forward (reentrant-style; autograd turns
-    forward-mode grad off there, even where the forward enables grad), or under ``no_grad``, or under saved-tensor
-    default hooks (non-reentrant-style), pushed before the module is called or, for a checkpoint applied to the
-    module itself (the composable one), in a forward pre-hook, which runs after FSDP's (FSDP's is prepended). So
-    a call with grad and forward-mode grad enabled, no saved-tensor hooks pushed and no forward pre-hook but
-    FSDP's is not recorded, where this torch can read the hooks (``Internals.saved_tensors_hooks``, 2.8+). Its
-    cast-cache check is made as for a recorded call, and ``CallLog.last`` keeps its casts (a group's recompute
-    that finds no record takes them from its latest call) and no autocast state; a region that starts inside
-    the module's forward never calls its hooks in the recompute. A recompute that finds a record thus never
-    picks such a call's state by mistake, and one that finds none warns unless torch's checkpoint or
-    ``preserve_autocast`` restored the forward's state.
     """
 
     __slots__ = ("cover", "cover_key", "state", "pre_backward", "device_types", "may_move", "grouped", "varies",
-                 "cached", "saved_hooks", "name", "log", "placement", "replayer", "__weakref__")
+                 "cached", "name", "log", "placement", "replayer", "__weakref__")
 
     def __init__(self, cover: _Cover, module: torch.nn.Module, slots: _compat.HookSlots) -> None:
         self.cover, self.cover_key = cover, id(cover)  # the cast-cache hazards are kept per FSDP state
@@ -103,8 +85,6 @@ class _Module:
         self.grouped = len(cover.modules_of_state) > 1
         self.varies = self.grouped or self.may_move  # else a call without autocast is always recorded alike
         self.cached = cover.caches_parameters  # whether its calls can leave a cast-cache hazard (see _cache)
-        #: Where calls no checkpoint can recompute go unrecorded: this torch's reader of the saved-tensor hooks.
-        self.saved_hooks = _internals().saved_tensors_hooks
         self.name = _compat.user_class_name(module)
         self.log = _calls.CallLog()
         self.placement = Placement(cover.state, slots)
@@ -133,13 +113,6 @@ class _Module:
         if _held[0]:  # a recompute region's entered state outlived its backward
             _release_region()
         grad = _is_grad_enabled()
-        saved_hooks = self.saved_hooks
-        if grad and saved_hooks is not None and len(module._forward_pre_hooks) == 1 and _is_fwd_grad_enabled() \
-                and saved_hooks() is None:  # no checkpoint can recompute this call (see the class docstring)
-            if _hazards_active[0] and self.cached and _any_autocast_enabled() and _is_autocast_cache_enabled():
-                _cache.check(self.cover_key, -1, self.name)  # as _call does for every grad-enabled call
-            self.log.last = (None, False) + _group_casts(self.state, module) if self.grouped else _UNRECORDED
-            return
         if _any_autocast_enabled():
             now = _capture_enabled(self.device_types)
             call = self._call(module, now, grad) if self.varies or self.cached else (now,) + _PLAIN_REST

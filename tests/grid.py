@@ -137,13 +137,11 @@ class Cell:
         """Whether the patch needs :func:`fsdp_autocast_fix.preserve_autocast` around the checkpoint here: the
         region runs unsharded ops before its first sharded call, whose input nothing recorded then names, and the
         checkpoint does not restore autocast itself (documented; the patched modes wrap it). A global forward
-        pre-hook that changes the input is such an op: it runs before any hook of the module. So is the same input
-        run under two autocast states before one recompute, where the patch cannot tell the checkpointed call from
-        the other and the checkpoint is not torch's (``plain_pass`` where a call with grad enabled is recorded
-        whether or not a checkpoint runs it: on a torch without a reader of the saved-tensor hooks, 2.4-2.7, and
-        on a module with a forward pre-hook of the user's, which could push such hooks)."""
-        if self.history == "plain_pass" and self.frontend in ("fn_restore",) + NOT_RESTORING and (
-                self.hooks.startswith("pre") or _compat.load().saved_tensors_hooks is None):
+        pre-hook that changes the input is such an op: it runs before any hook of the module. So is the training
+        batch run again without checkpoint under another autocast state (``plain_pass``): a call with grad enabled
+        is recorded whether or not a checkpoint runs it, so the recompute finds two states on its input and
+        replays the most recent (documented), also under a checkpoint that restores autocast itself."""
+        if self.history == "plain_pass" and self.frontend in ("fn_restore",) + NOT_RESTORING:
             return True
         return (self.region == "pre_ops" or self.hooks == "global_pre") and self.frontend in NOT_RESTORING
 
@@ -303,11 +301,6 @@ NAMED: dict[str, tuple[Cell, str]] = {
     "views_of_one_batch_micro_batches_reentrant_custom_checkpoint":
         (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "micro_batches", "none", "root", "module",
               "views"), "broken"),
-    # 5. A call no checkpoint can recompute is no candidate for a recompute (grad enabled, no saved-tensor hooks).
-    "plain_pass_on_the_step_input_custom_checkpoint":
-        (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "plain_pass", "none", "root"), "broken"),
-    "plain_pass_on_the_step_input_restoring_custom_checkpoint":
-        (Cell("fn_restore", "fp32_params", "bf16", "outside", "plain_pass", "none", "root"), "fine"),
 }
 if deepspeed_available():
     NAMED.update({
@@ -864,8 +857,10 @@ def _mode(mode: str) -> Iterator[Callable[..., Any]]:
 
 
 def run(cell: Cell, mode: str, *, cache: bool = True, sharding: str = "fsdp2", seed: int = 0,
-        reference: bool = False) -> Result:
-    """One run of ``cell`` in ``mode``; ``sharding`` ``fsdp1`` / ``none`` for the references (see :func:`truth`)."""
+        reference: bool = False, preserve: bool | None = None) -> Result:
+    """One run of ``cell`` in ``mode``; ``sharding`` ``fsdp1`` / ``none`` for the references (see :func:`truth`).
+    ``preserve``: the front end through ``preserve_autocast`` (by default in the patched modes where the cell
+    needs it)."""
     torch.manual_seed(seed)
     model = _build(cell.topology, cell.signature)
     weight = torch.randn(DIM, DIM, generator=torch.Generator().manual_seed(seed + 7)) / DIM
@@ -887,7 +882,9 @@ def run(cell: Cell, mode: str, *, cache: bool = True, sharding: str = "fsdp2", s
             _register_hooks(sharded, cell.hooks, weight)
         if mode == "late_apply":
             fsdp_autocast_fix.apply()
-        forward = _forward(model, outer, cell, shared, preserve=mode != "stock" and cell.needs_preserve_autocast())
+        if preserve is None:
+            preserve = mode != "stock" and cell.needs_preserve_autocast()
+        forward = _forward(model, outer, cell, shared, preserve=preserve)
         try:
             _step(cell, forward, model, lambda data: invoke(outer, data, shared, cell.signature), inputs, cache,
                   reference)

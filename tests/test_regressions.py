@@ -360,6 +360,26 @@ def test_an_undecidable_same_input_replays_the_most_recent_call_and_warns(caplog
     assert _eval_between(fixed, "apply").verdict(truth) == "bitwise"
 
 
+def test_a_plain_pass_of_the_training_batch_replays_the_most_recent_state_and_warns(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The training batch run again without checkpoint, under another autocast state, and backwarded before the
+    checkpointed step (an auxiliary loss): its call is recorded too (grad enabled proves no call outside a
+    checkpoint: a checkpoint may run its forward so, from another thread, say), so the recompute finds two states
+    on its input, and where one ran with grad enabled it replays the most recent, with one warning: wrong
+    gradients even under a hand-written checkpoint that restores autocast itself, where stock is right
+    (documented). ``preserve_autocast`` is exact."""
+    cell = G.Cell("fn_restore", "fp32_params", "bf16", "outside", "plain_pass", "none", "root")
+    truth = G.truth(cell)
+    assert G.run(cell, "stock").verdict(truth) == "bitwise"
+    with caplog.at_level("WARNING", logger="fsdp_autocast_fix"):
+        for mode in G.PATCHED_MODES:
+            assert G.run(cell, mode, preserve=False).verdict(truth) == "wrong gradients", mode
+    assert [r for r in caplog.records if "same input under 2 autocast states" in r.getMessage()]
+    assert cell.needs_preserve_autocast()
+    for mode in G.PATCHED_MODES:
+        assert G.run(cell, mode).verdict(truth) == "bitwise", mode
+
+
 def test_the_cast_cache_is_dropped_also_when_only_the_layers_are_covered() -> None:
     """patched_fully_shard on the layers, plain fully_shard on the root (torchtitan's layout): an eval forward in
     the training's autocast region must not cost the layers their parameter gradients (pytorch issue 158232)."""
