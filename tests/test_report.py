@@ -6,10 +6,13 @@ there is stated here per torch: the cast replay happens only where torch skips F
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Callable
 
 import grid as G
@@ -115,6 +118,48 @@ def test_unidentified_recomputes_are_reported_with_why() -> None:
     assert report.unidentified_reasons["Block"] == (
         "no recorded call got its tensor arguments (computed in the region, or copied by the checkpoint)",)
     assert "preserve_autocast" in report.advice()
+
+
+@pytest.mark.parametrize("preserve", [False, True])
+def test_a_recompute_preserve_autocast_restored_is_not_reported_unidentified(preserve: bool) -> None:
+    """The same region, then an eval pass in a third state (the module's latest call): unidentified, and the
+    warning that points to ``preserve_autocast``, only where it is not used. Under it the recompute runs in the
+    call site's state, which is exact (before: reported and warned there too, advising what was done)."""
+    cell = G.Cell("fn_no_restore", "fp32_params", "bf16", "outside", "none", "none", "root", "pre_ops")
+    fsdp_autocast_fix.report(reset=True)
+    fsdp_autocast_fix.apply()
+    block = G.Block()
+    fsdp = _compat.fsdp_package()
+    fsdp.fully_shard(block, mp_policy=fsdp.MixedPrecisionPolicy())
+    forward = G._forward(block, block, cell, None, preserve=preserve)
+    x = G.torch.randn(4, G.DIM, requires_grad=True)
+    with G.torch.autocast("cpu", dtype=G.BF16):
+        out = forward(x)
+    with G.torch.no_grad(), G.torch.autocast("cpu", dtype=G.torch.float16):  # neither the forward's nor
+        block(G.torch.randn(4, G.DIM))  # the backward's state
+    with _capture_warnings() as warned:
+        out.float().sum().backward()
+    report = fsdp_autocast_fix.report()
+    assert _counts(report) == _expect(recomputes=1, unidentified=0 if preserve else 1, cache_drops=0)
+    assert bool(warned) == (not preserve), warned
+
+
+@contextlib.contextmanager
+def _capture_warnings() -> Iterator[list[str]]:
+    """The warnings the patch logs inside the block."""
+    found: list[str] = []
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                found.append(record.getMessage())
+
+    logger, handler = logging.getLogger("fsdp_autocast_fix"), Handler()
+    logger.addHandler(handler)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
 
 
 def test_reset_starts_again_at_zero() -> None:
