@@ -649,3 +649,84 @@ def test_an_inference_mode_call_under_enable_grad_is_not_taken_for_the_training_
     assert _inference_pass_before_backward("stock", inference=True).verdict(truth) != "bitwise"  # positive control
     for mode in G.PATCHED_MODES:
         assert _inference_pass_before_backward(mode, inference=True).verdict(truth) == "bitwise", mode
+
+
+# -- found by review: why a call with grad enabled is recorded too ------------------------------------------
+
+
+def _tensor_hook_checkpoint(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """A checkpoint with no ``autograd.Function`` and no saved-tensor hooks: its forward runs with grad enabled
+    (the graph goes with ``out``), and a hook on the detached output recomputes and backwards, under whatever
+    autocast state the backward runs in."""
+    out = fn(x)
+    y = out.detach().requires_grad_()
+
+    def recompute(grad: torch.Tensor) -> None:
+        with torch.enable_grad():
+            torch.autograd.backward(fn(x), grad)
+
+    y.register_hook(recompute)
+    return y
+
+
+@functools.lru_cache(maxsize=None)
+def _worker() -> Any:
+    """One worker thread, whose grad mode and autocast state are its own (grad on, autocast off)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(1)
+
+
+class _WorkerThreadCheckpoint(torch.autograd.Function):
+    """A reentrant-style checkpoint whose forward calls the function on a worker thread, so the call runs with
+    grad enabled and autocast off; it recomputes on the backward's thread."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        return _worker().submit(fn, x).result()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            torch.autograd.backward(ctx.fn(x), grad)
+        return None, x.grad
+
+
+def _grad_forward_checkpoint(kind: str, mode: str, use_checkpoint: bool = True) -> G.Result:
+    """A sharded block (fp32 parameters) run under bf16 autocast through a checkpoint of ``kind``, with an eval
+    pass of the same batch (``no_grad``) before it in another state; the backward outside autocast for the
+    tensor-hook checkpoint, inside the region for the worker thread's (whose call ran with autocast off)."""
+    torch.manual_seed(0)
+    with G._mode(mode) as fully_shard:
+        block = G.Block()
+        fully_shard(block, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
+        if mode == "late_apply":
+            fsdp_autocast_fix.apply()
+        x = torch.randn(4, G.DIM, requires_grad=True)
+        with torch.no_grad(), torch.autocast("cpu", dtype=G.BF16, enabled=kind == "worker_thread"):
+            block(x)  # the eval: in another state than the checkpoint's call (bf16 where the worker's is off)
+        with torch.autocast("cpu", dtype=G.BF16):
+            if kind == "tensor_hook":
+                out = _tensor_hook_checkpoint(block, x) if use_checkpoint else block(x)
+            else:
+                out = _WorkerThreadCheckpoint.apply(block, x) if use_checkpoint else _worker().submit(block, x).result()
+                out.float().pow(2).sum().backward()
+        if kind == "tensor_hook":
+            out.float().pow(2).sum().backward()
+    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in block.parameters()])
+
+
+@pytest.mark.parametrize("kind", ["tensor_hook", "worker_thread"])
+def test_a_checkpoint_whose_forward_runs_with_grad_enabled_is_replayed_exactly(kind: str) -> None:
+    """Grad mode tells no call outside a checkpoint apart: these two run their forward with grad enabled and no
+    saved-tensor hooks, and neither recomputes under the forward's state. Their calls are recorded like any, so
+    the recompute finds its own (the most recent on that batch; with one warning, the eval before it being
+    another state). Leaving such calls unrecorded (tried: it made per-call costs lower) replayed the eval's."""
+    truth = _grad_forward_checkpoint(kind, "stock", use_checkpoint=False)
+    assert _grad_forward_checkpoint(kind, "stock").verdict(truth) != "bitwise"  # positive control
+    for mode in G.PATCHED_MODES:
+        assert _grad_forward_checkpoint(kind, mode).verdict(truth) == "bitwise", mode
