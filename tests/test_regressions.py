@@ -9,8 +9,10 @@ end, also with DeepSpeed's checkpoints where DeepSpeed is installed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import grid as G
@@ -316,17 +318,23 @@ class _GradForward(torch.autograd.Function):
         return None, x.grad
 
 
-def _eval_between(checkpoint_fn: Callable[..., Any], mode: str, use_checkpoint: bool = True,
-                  on_view: bool = False) -> G.Result:
-    """Training forward through ``checkpoint_fn`` under bf16, an fp32 eval on the same batch (or a view of it),
-    then the backward outside autocast."""
+@contextlib.contextmanager
+def _sharded_block(mode: str) -> Iterator[tuple[nn.Module, torch.Tensor]]:
+    """A seeded ``G.Block`` sharded in ``mode`` (fp32 parameters), and an input for it."""
     torch.manual_seed(0)
     with G._mode(mode) as fully_shard:
         block = G.Block()
         fully_shard(block, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
         if mode == "late_apply":
             fsdp_autocast_fix.apply()
-        x = torch.randn(4, G.DIM, requires_grad=True)
+        yield block, torch.randn(4, G.DIM, requires_grad=True)
+
+
+def _eval_between(checkpoint_fn: Callable[..., Any], mode: str, use_checkpoint: bool = True,
+                  on_view: bool = False) -> G.Result:
+    """Training forward through ``checkpoint_fn`` under bf16, an fp32 eval on the same batch (or a view of it),
+    then the backward outside autocast."""
+    with _sharded_block(mode) as (block, x):
         with torch.autocast("cpu", dtype=G.BF16):
             out = checkpoint_fn(block, x) if use_checkpoint else block(x)
         with torch.no_grad():
@@ -700,13 +708,7 @@ def _grad_forward_checkpoint(kind: str, mode: str, use_checkpoint: bool = True) 
     """A sharded block (fp32 parameters) run under bf16 autocast through a checkpoint of ``kind``, with an eval
     pass of the same batch (``no_grad``) before it in another state; the backward outside autocast for the
     tensor-hook checkpoint, inside the region for the worker thread's (whose call ran with autocast off)."""
-    torch.manual_seed(0)
-    with G._mode(mode) as fully_shard:
-        block = G.Block()
-        fully_shard(block, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
-        if mode == "late_apply":
-            fsdp_autocast_fix.apply()
-        x = torch.randn(4, G.DIM, requires_grad=True)
+    with _sharded_block(mode) as (block, x):
         with torch.no_grad(), torch.autocast("cpu", dtype=G.BF16, enabled=kind == "worker_thread"):
             block(x)  # the eval: in another state than the checkpoint's call (bf16 where the worker's is off)
         with torch.autocast("cpu", dtype=G.BF16):

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Callable
+from typing import Any, Callable
 
 import grid as G
 import pytest
@@ -99,21 +99,32 @@ def test_torch_checkpoint_without_a_cache_hazard_changes_nothing_on_a_fixed_torc
     assert report.advice().startswith("the patch changed nothing in this run (1 recomputes seen)")
 
 
-def test_unidentified_recomputes_are_reported_with_why() -> None:
-    """Unsharded ops before the sharded call under a checkpoint that does not restore autocast: nothing
-    recorded names the call (the remedy is ``preserve_autocast``, which the grid's patched modes use)."""
+def _pre_ops_region(preserve: bool = False, eval_in_another_state: bool = False) -> tuple[Any, list[str]]:
+    """Unsharded ops before the sharded call under a checkpoint that does not restore autocast (through
+    ``preserve_autocast`` where ``preserve``), and, where told, an eval pass in a third state (fp16) before the
+    backward: the report, and the warnings the patch logged in the backward."""
     cell = G.Cell("fn_no_restore", "fp32_params", "bf16", "outside", "none", "none", "root", "pre_ops")
     fsdp_autocast_fix.report(reset=True)
     fsdp_autocast_fix.apply()
     block = G.Block()
     fsdp = _compat.fsdp_package()
     fsdp.fully_shard(block, mp_policy=fsdp.MixedPrecisionPolicy())
-    forward = G._forward(block, block, cell, None)
+    forward = G._forward(block, block, cell, None, preserve=preserve)
     x = G.torch.randn(4, G.DIM, requires_grad=True)
     with G.torch.autocast("cpu", dtype=G.BF16):
         out = forward(x)
-    out.float().sum().backward()
-    report = fsdp_autocast_fix.report()
+    if eval_in_another_state:  # neither the forward's state nor the backward's: the module's latest call
+        with G.torch.no_grad(), G.torch.autocast("cpu", dtype=G.torch.float16):
+            block(G.torch.randn(4, G.DIM))
+    with _capture_warnings() as warned:
+        out.float().sum().backward()
+    return fsdp_autocast_fix.report(), warned
+
+
+def test_unidentified_recomputes_are_reported_with_why() -> None:
+    """Unsharded ops before the sharded call under a checkpoint that does not restore autocast: nothing
+    recorded names the call (the remedy is ``preserve_autocast``, which the grid's patched modes use)."""
+    report, _ = _pre_ops_region()
     assert _counts(report) == _expect(recomputes=1, unidentified=1, cache_drops=0)
     assert report.unidentified_reasons["Block"] == (
         "no recorded call got its tensor arguments (computed in the region, or copied by the checkpoint)",)
@@ -125,21 +136,7 @@ def test_a_recompute_preserve_autocast_restored_is_not_reported_unidentified(pre
     """The same region, then an eval pass in a third state (the module's latest call): unidentified, and the
     warning that points to ``preserve_autocast``, only where it is not used. Under it the recompute runs in the
     call site's state, which is exact (before: reported and warned there too, advising what was done)."""
-    cell = G.Cell("fn_no_restore", "fp32_params", "bf16", "outside", "none", "none", "root", "pre_ops")
-    fsdp_autocast_fix.report(reset=True)
-    fsdp_autocast_fix.apply()
-    block = G.Block()
-    fsdp = _compat.fsdp_package()
-    fsdp.fully_shard(block, mp_policy=fsdp.MixedPrecisionPolicy())
-    forward = G._forward(block, block, cell, None, preserve=preserve)
-    x = G.torch.randn(4, G.DIM, requires_grad=True)
-    with G.torch.autocast("cpu", dtype=G.BF16):
-        out = forward(x)
-    with G.torch.no_grad(), G.torch.autocast("cpu", dtype=G.torch.float16):  # neither the forward's nor
-        block(G.torch.randn(4, G.DIM))  # the backward's state
-    with _capture_warnings() as warned:
-        out.float().sum().backward()
-    report = fsdp_autocast_fix.report()
+    report, warned = _pre_ops_region(preserve=preserve, eval_in_another_state=True)
     assert _counts(report) == _expect(recomputes=1, unidentified=0 if preserve else 1, cache_drops=0)
     assert bool(warned) == (not preserve), warned
 
