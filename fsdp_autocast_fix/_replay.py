@@ -125,6 +125,12 @@ def restored() -> Iterator[None]:
         _tls.restored -= 1
 
 
+def _state_restored() -> bool:
+    """Whether the checkpoint running this recompute restored the forward's autocast state itself: inside
+    :func:`restored` (``preserve_autocast``), or under ``torch.utils.checkpoint`` (read off the stack: last)."""
+    return bool(_tls.restored) or _compat.in_torch_checkpoint()
+
+
 #: How many regions hold an entered state, on any thread (ordinary forwards check it: one list read).
 held = [0]
 
@@ -268,7 +274,7 @@ class Replayer:
             chosen = self.log.unkeyed
         else:
             last = self.log.last
-            if last is not None and last[0] != now and not _tls.restored and not _compat.in_torch_checkpoint():
+            if last is not None and last[0] != now and not _state_restored():
                 _report.unidentified(self.name, "no recorded call got its tensor arguments (computed in the "
                                                 "region, or copied by the checkpoint)")
                 if not self.warned:
@@ -279,7 +285,7 @@ class Replayer:
                         "checkpoint does not restore autocast, wrap it with fsdp_autocast_fix.preserve_autocast",
                         type(module).__name__)
             return None, None
-        if chosen[0] != now and (_tls.restored or _compat.in_torch_checkpoint()):
+        if chosen[0] != now and _state_restored():
             chosen = (now,) + chosen[1:]
         depth = _increment_nesting() - 1  # autocast's nesting count now (_autocast.nesting)
         _decrement_nesting()

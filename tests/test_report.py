@@ -6,14 +6,11 @@ there is stated here per torch: the cast replay happens only where torch skips F
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Callable
 
 import grid as G
 import pytest
@@ -99,10 +96,10 @@ def test_torch_checkpoint_without_a_cache_hazard_changes_nothing_on_a_fixed_torc
     assert report.advice().startswith("the patch changed nothing in this run (1 recomputes seen)")
 
 
-def _pre_ops_region(preserve: bool = False, eval_in_another_state: bool = False) -> tuple[Any, list[str]]:
+def _pre_ops_region(preserve: bool = False, eval_in_another_state: bool = False) -> fsdp_autocast_fix.Report:
     """Unsharded ops before the sharded call under a checkpoint that does not restore autocast (through
     ``preserve_autocast`` where ``preserve``), and, where told, an eval pass in a third state (fp16) before the
-    backward: the report, and the warnings the patch logged in the backward."""
+    backward: the report."""
     cell = G.Cell("fn_no_restore", "fp32_params", "bf16", "outside", "none", "none", "root", "pre_ops")
     fsdp_autocast_fix.report(reset=True)
     fsdp_autocast_fix.apply()
@@ -116,15 +113,14 @@ def _pre_ops_region(preserve: bool = False, eval_in_another_state: bool = False)
     if eval_in_another_state:  # neither the forward's state nor the backward's: the module's latest call
         with G.torch.no_grad(), G.torch.autocast("cpu", dtype=G.torch.float16):
             block(G.torch.randn(4, G.DIM))
-    with _capture_warnings() as warned:
-        out.float().sum().backward()
-    return fsdp_autocast_fix.report(), warned
+    out.float().sum().backward()
+    return fsdp_autocast_fix.report()
 
 
 def test_unidentified_recomputes_are_reported_with_why() -> None:
     """Unsharded ops before the sharded call under a checkpoint that does not restore autocast: nothing
     recorded names the call (the remedy is ``preserve_autocast``, which the grid's patched modes use)."""
-    report, _ = _pre_ops_region()
+    report = _pre_ops_region()
     assert _counts(report) == _expect(recomputes=1, unidentified=1, cache_drops=0)
     assert report.unidentified_reasons["Block"] == (
         "no recorded call got its tensor arguments (computed in the region, or copied by the checkpoint)",)
@@ -132,31 +128,16 @@ def test_unidentified_recomputes_are_reported_with_why() -> None:
 
 
 @pytest.mark.parametrize("preserve", [False, True])
-def test_a_recompute_preserve_autocast_restored_is_not_reported_unidentified(preserve: bool) -> None:
+def test_a_recompute_preserve_autocast_restored_is_not_reported_unidentified(
+        preserve: bool, caplog: pytest.LogCaptureFixture) -> None:
     """The same region, then an eval pass in a third state (the module's latest call): unidentified, and the
     warning that points to ``preserve_autocast``, only where it is not used. Under it the recompute runs in the
     call site's state, which is exact (before: reported and warned there too, advising what was done)."""
-    report, warned = _pre_ops_region(preserve=preserve, eval_in_another_state=True)
+    with caplog.at_level("WARNING", logger="fsdp_autocast_fix"):
+        report = _pre_ops_region(preserve=preserve, eval_in_another_state=True)
     assert _counts(report) == _expect(recomputes=1, unidentified=0 if preserve else 1, cache_drops=0)
+    warned = [r.getMessage() for r in caplog.records if "cannot tell which forward call" in r.getMessage()]
     assert bool(warned) == (not preserve), warned
-
-
-@contextlib.contextmanager
-def _capture_warnings() -> Iterator[list[str]]:
-    """The warnings the patch logs inside the block."""
-    found: list[str] = []
-
-    class Handler(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno >= logging.WARNING:
-                found.append(record.getMessage())
-
-    logger, handler = logging.getLogger("fsdp_autocast_fix"), Handler()
-    logger.addHandler(handler)
-    try:
-        yield found
-    finally:
-        logger.removeHandler(handler)
 
 
 def test_reset_starts_again_at_zero() -> None:
