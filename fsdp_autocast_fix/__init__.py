@@ -56,6 +56,9 @@ class Status:
         torch_version: ``torch.__version__``.
         needs_cast_replay: whether this torch skips FSDP's casts in the recompute
             (probed on torch's own code); None if this torch is not supported.
+        needs_param_gather: whether this torch's recompute leaves parameters resharded since the forward
+            sharded ("mixed torch.Tensor and DTensor"; probed likewise; the patch gathers them); None if this
+            torch is not supported.
         cast_replay_active: whether covered modules get the cast replay.
         autocast_replay_active: whether any module is covered or :func:`apply` is in force.
         patched_globally: whether :func:`apply` is in force.
@@ -70,6 +73,7 @@ class Status:
     patched_globally: bool
     covered_modules: int
     unsupported: str | None = None
+    needs_param_gather: bool | None = None
 
 
 def status() -> Status:
@@ -79,10 +83,12 @@ def status() -> Status:
     """
     _autoapply.settle()
     try:
-        needs: bool | None = _compat.load().needs_cast_replay
+        internals = _compat.load()
+        needs: bool | None = internals.needs_cast_replay
+        gather: bool | None = internals.needs_param_gather
         unsupported = None
     except UnsupportedTorchError as e:
-        needs, unsupported = None, str(e)
+        needs, gather, unsupported = None, None, str(e)
     covered = _patch.covered_modules()
     applied = _patch.is_applied()
     active = applied or covered > 0
@@ -94,6 +100,7 @@ def status() -> Status:
         patched_globally=applied,
         covered_modules=covered,
         unsupported=unsupported,
+        needs_param_gather=gather,
     )
 
 

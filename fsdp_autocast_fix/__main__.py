@@ -34,6 +34,7 @@ def doctor() -> dict[str, Any]:
 
     s = status()
     report: dict[str, Any] = {"torch": s.torch_version, "needs_cast_replay": s.needs_cast_replay,
+                              "needs_param_gather": s.needs_param_gather,
                               "unsupported": s.unsupported, "patch_active_in_this_process": s.patched_globally,
                               "covered_modules": s.covered_modules, "probe": None, "probe_skipped": None}
     if s.unsupported:
@@ -45,6 +46,8 @@ def doctor() -> dict[str, Any]:
     probe = report["probe"]
     if probe is None:  # judge by the code check alone
         needed = ["FSDP's casts in the recompute (code check; no live probe)"] if s.needs_cast_replay else []
+        if s.needs_param_gather:
+            needed.append("the gather of resharded parameters in the recompute (code check; no live probe)")
         unfixed: list[str] = []
     else:
         needed = [r["pattern"] for r in probe if r["stock"] != "ok"]
@@ -63,7 +66,8 @@ def doctor() -> dict[str, Any]:
 def _print_doctor(report: dict[str, Any]) -> None:
     from . import _probe
 
-    print(f"torch {report['torch']}; skips FSDP's casts in the recompute: {report['needs_cast_replay']}")
+    print(f"torch {report['torch']}; skips FSDP's casts in the recompute: {report['needs_cast_replay']}; leaves "
+          f"resharded parameters sharded in the recompute: {report['needs_param_gather']}")
     print(f"patch active in this process: {report['patch_active_in_this_process']} "
           f"({report['covered_modules']} sharded modules covered)")
     if report["probe"] is not None:

@@ -17,20 +17,24 @@ reduced the gradients. Two kinds of pass make such casts, and the patch sees bot
   end of that backward finds the nesting count above zero on the thread (a region the recompute left open):
   then they are noted (:func:`_verify`).
 
-Only states whose unsharded parameters are float32 can have casts cached (:func:`caches_parameters`); the
-calls of others note nothing and check nothing.
+Autocast caches a cast only of a float32 leaf that requires grad, so only such parameters can make a hazard
+(:func:`caches_parameters` for the policy's dtype, :func:`trainable_casts` for ``requires_grad`` at the call):
+a ``no_grad`` call of a state of frozen or bf16 parameters makes none. (One of trainable parameters after a
+grad-enabled call of the same state in the same cache lifetime may reuse casts with autograd history and make
+none either; but which parameters a call casts is not known, so it is noted.)
 
 Invariant: the patch drops the cache before a grad-enabled call of a covered module under autocast (ordinary or
 recomputed, or a function checkpointed through :func:`fsdp_autocast_fix.preserve_autocast`) exactly when such
 a hazard was noted for that module's FSDP state and the cache still holds what it held then; nowhere else. So
 the sharded calls of one forward, of one checkpointed region and of its recompute, the forward passes of one
 region, and modules other than the one with the hazard (a frozen teacher run under ``no_grad``, a reference
-model) share their casts as plain autocast shares them. Whether the cache still holds a hazard's casts is
-told by a sentinel: when the first hazard is noted, a one-element cast of the patch's own is cached beside
-them, held by a weak reference; it is alive exactly as long as autocast's cache holds it, so it dies with the
-region end that clears the cache (a backward outside autocast ends the forward's region: nothing is at stake
-then, and nothing is dropped). A hazard noted at the end of a backward (:func:`_verify`) gets no sentinel
-where autocast is off then: the cache is assumed to hold its casts, and the next call it applies to drops it.
+model) share their casts as plain autocast shares them. Whether the cache still holds what it held is told by a
+sentinel: an empty (zero-element, so allocation-free) cast of the patch's own, cached beside the casts of the first
+hazard and held by a weak reference; it is alive exactly as long as autocast's cache holds it, so it dies with
+the region end that clears the cache (a backward outside autocast ends the forward's region: nothing is at stake
+then, and nothing is dropped). A hazard
+noted at the end of a backward (:func:`_verify`) gets no sentinel where autocast is off then: the cache is
+assumed to hold its casts, and the next call it applies to drops it.
 
 Two forward passes of one module in one autocast region backwarded separately without a checkpoint are left
 to torch: no pass of the patch's runs between them, and whether they will be backwarded together (then sharing
@@ -77,16 +81,16 @@ def _same(t: Any) -> Any:
 
 class _Hazards:
     """This thread's hazards since the last drop: FSDP state key -> the graph task that made the casts (-1: a
-    ``no_grad`` call, a hazard for every later grad-enabled call), and the sentinel cast of the cache then; and
-    the recomputes whose hazards were not noted because their casts die with the checkpoint's regions (state key
-    -> graph task and device types), until the end of their backward tells (:func:`_verify`; after a backward
-    that raised, the end of the next one that skips)."""
+    ``no_grad`` call, a hazard for every later grad-enabled call); the sentinel cast of the cache's lifetime then
+    (``lifetime``); and the recomputes whose hazards were not noted because their casts die with the checkpoint's
+    regions (state key -> graph task and device types), until the end of their backward tells (:func:`_verify`;
+    after a backward that raised, the end of the next one that skips)."""
 
-    __slots__ = ("by_state", "sentinel", "skipped", "verifying")
+    __slots__ = ("by_state", "lifetime", "skipped", "verifying")
 
     def __init__(self) -> None:
         self.by_state: dict[Any, int] = {}
-        self.sentinel: Any = None
+        self.lifetime: Any = None
         self.skipped: dict[Any, tuple[int, tuple[str, ...]]] = {}
         self.verifying: int | None = None  # the graph task whose end verifies ``skipped``
 
@@ -112,24 +116,61 @@ def caches_parameters(param_dtype: Any, modules: list[torch.nn.Module]) -> bool:
     return any(p.dtype == torch.float32 for module in modules for p in module.parameters())
 
 
+def trainable_casts(param_dtype: Any, parameters: list[torch.Tensor] | None) -> bool:
+    """Whether autocast may cache a cast of one of an FSDP state's parameters now: one that requires grad and
+    is float32 once all-gathered (``param_dtype``, where the policy sets one, for floating-point parameters; else
+    its own dtype). ``parameters``: the state's sharded parameters, or None where this torch does not say (then
+    yes: at worst a hazard too many)."""
+    if parameters is None:
+        return True
+    return any(p.requires_grad and (param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype)
+               == torch.float32 for p in parameters)
+
+
+def before_call(state: Any, task: int, grad: bool, device_types: tuple[str, ...], owner: str,
+                trainable: Any) -> None:
+    """The cast-cache decision for a covered call of ``state`` under autocast with the cache on (see the module
+    docstring): in graph task ``task`` (-1 outside backward), with grad enabled or not; ``trainable()`` tells
+    whether the state has parameters autocast caches now (:func:`trainable_casts`), asked only where it matters.
+
+    A ``no_grad`` call notes a hazard for its state (as a ``no_grad`` call, also inside a recompute); a
+    grad-enabled call first drops the cache where a hazard applies, then, in a recompute, notes its casts."""
+    if not grad:
+        if trainable():
+            note(state, -1, device_types)
+        return
+    if active[0]:
+        check(state, task, owner)
+    if task != -1 and trainable():
+        note(state, task, device_types)
+
+
+def _alive(hazards: _Hazards) -> Any:
+    """The sentinel of the cache's lifetime, or None; a dead one (the cache was cleared since) takes the
+    lifetime's hazards with it."""
+    lifetime = hazards.lifetime
+    if lifetime is not None and lifetime() is None:
+        _reset(hazards)
+        return None
+    return lifetime
+
+
 def note(state: Any, task: int, device_types: tuple[str, ...], shortcut: bool = True) -> None:
     """A covered call of ``state`` under autocast with the cache on made casts that are a hazard: under
     ``no_grad`` (``task`` -1), or in the recompute of graph task ``task`` (``shortcut``: unless they die with
     the checkpoint's regions)."""
     hazards = _hazards()
     by_state = hazards.by_state
-    if by_state:
-        sentinel = hazards.sentinel
-        if sentinel is not None and sentinel() is None:  # the cache was cleared since: those are gone
-            _reset(hazards)
-        elif by_state.get(state) == -1:  # a no_grad hazard for this state, still cached: it outranks any other,
-            return  # so nothing changes (an eval pass notes on every call: this is its path)
+    _alive(hazards)  # a cleared cache: the hazards noted before are gone
+    if by_state.get(state) == -1:  # a no_grad hazard for this state, still cached: it outranks any other,
+        return  # so nothing changes (an eval pass notes on every call: this is its path)
     if not by_state:
         if shortcut and task != -1 and _dies_with_region():
             _skip(hazards, state, task, device_types)
             return
         active[0] += 1
-        hazards.sentinel = _sentinel_cast(device_types)
+        if hazards.lifetime is None:
+            hazards.lifetime = _sentinel_cast(device_types)
     if task == -1 or by_state.get(state) != -1:  # a no_grad hazard outranks a recompute's
         by_state[state] = task
 
@@ -182,14 +223,15 @@ def check(state: Any, task: int, owner: str) -> None:
 
 
 def _reset(hazards: _Hazards) -> None:
+    """Forget the hazards of the cache's lifetime (the cache was dropped or cleared)."""
     if hazards.by_state:
         active[0] -= 1
     hazards.by_state.clear()
-    hazards.sentinel = None
+    hazards.lifetime = None
 
 
 def _sentinel_cast(device_types: tuple[str, ...]) -> Any:
-    """A weak reference to a cast of the patch's own one-element parameter-like tensor, made now through
+    """A weak reference to a cast of the patch's own empty parameter-like tensor (no memory allocated), made now through
     autocast's cache (so cached beside the hazard's casts: it lives exactly as long as they are cached), or None
     where it cannot be made (then the cache is assumed to hold them)."""
     if _is_inference_mode_enabled() or torch._C._is_torch_function_mode_enabled():
@@ -202,7 +244,7 @@ def _sentinel_cast(device_types: tuple[str, ...]) -> Any:
     source = _sentinels.get(device_type)
     if source is None:
         try:
-            source = _sentinels[device_type] = torch.ones(1, 1, device=device_type, requires_grad=True)
+            source = _sentinels[device_type] = torch.empty(0, 0, device=device_type, requires_grad=True)
         except Exception:  # pragma: no cover - a device type torch cannot allocate on here
             return None
     # The op's saved inputs are the cast autocast took from (or put in) its cache; a saved-tensor hook of the
@@ -232,7 +274,7 @@ def _sentinel_cast(device_types: tuple[str, ...]) -> Any:
 def _still_cached(hazards: _Hazards) -> bool:
     """Whether autocast's cache still holds what it held when the first hazard was noted (no sentinel: assume
     it does). The cache holds the only reference to the sentinel's cast; a region end or a drop frees it."""
-    return hazards.sentinel is None or hazards.sentinel() is not None
+    return hazards.lifetime is None or hazards.lifetime() is not None
 
 
 def tainted() -> bool:

@@ -46,6 +46,13 @@ def leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     return found or parameters
 
 
+def tensors(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in ``tree`` (tuples, lists, dicts and dataclasses, as :func:`leaves` looks), parameters too."""
+    found: list[torch.Tensor] = []
+    _collect(tree, found, found)
+    return found
+
+
 def _collect(value: Any, found: list[torch.Tensor], parameters: list[torch.Tensor]) -> None:
     if isinstance(value, _Tensor):
         (parameters if isinstance(value, _Parameter) else found).append(value)

@@ -26,8 +26,9 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["HookSlots", "Internals", "Slot", "UnsupportedTorchError", "group_casts", "hook_slots",
-           "in_torch_checkpoint", "load", "torch_recompute_regions", "user_class_name"]
+__all__ = ["HookSlots", "Internals", "Slot", "UnsupportedTorchError", "gather_parameters", "group_casts",
+           "hook_slots", "in_torch_recompute", "load", "sharded_parameters", "torch_recompute_regions",
+           "user_class_name"]
 
 #: Import paths of composable FSDP, newest first (2.6+ public path, then 2.4/2.5).
 _FSDP_PACKAGES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
@@ -69,6 +70,9 @@ class Internals:
     forward_hooks_snapshot: bool
     queue_backward_callback: Callable[[Callable[[], None]], None]  # run a callable when this backward ends
     needs_cast_replay: bool
+    #: Whether this torch's recompute skips gathering parameters that were resharded since the forward (a module
+    #: run twice before one backward, or a child resharded by its own post-backward): before torch 2.12.
+    needs_param_gather: bool
     #: The code of the wrapper FSDP puts around its hooks to keep torch.compile out of them, which makes a new
     #: ``torch._dynamo.disable`` object on every call (``_dynamo_disable``; ``disable_if_config_true`` in 2.4-2.7).
     fsdp_hook_wrappers: frozenset[types.CodeType]
@@ -107,6 +111,20 @@ def modules_of(state: Any) -> tuple[torch.nn.Module, ...]:
     if modules is None:
         modules = (state._module,)
     return tuple(modules)
+
+
+def sharded_parameters(state: Any) -> list[torch.Tensor] | None:
+    """The parameters an FSDP state manages, as its modules hold them between forwards (``sharded_param`` of each
+    ``FSDPParam`` of its parameter groups: ``_fsdp_param_groups`` in 2.12+, ``_fsdp_param_group`` before), or None
+    where this torch does not have them so."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    try:
+        return [fsdp_param.sharded_param for group in groups for fsdp_param in group.fsdp_params]
+    except AttributeError:
+        return None
 
 
 def _import_first(names: tuple[str, ...], what: str) -> Any:
@@ -153,6 +171,64 @@ def _probe_cast_replay(state_cls: type, pre_backward: Any, mp_policy_cls: type) 
     inputs_cast = args[0].dtype == torch.bfloat16
     output_cast = output.dtype == torch.float16
     return not (inputs_cast and output_cast)
+
+
+class _GroupProbe:
+    """A parameter group that is not gathered, and records whether it was asked to gather."""
+
+    is_unsharded = False
+    gathered = False
+
+    def unshard(self, async_op: bool = False) -> None:
+        self.gathered = True
+
+    def wait_for_unshard(self) -> None:
+        pass
+
+
+def _probe_param_gather(state_cls: type, pre_backward: Any, mp_policy_cls: type) -> bool:
+    """Run torch's own recompute branch on a bare state holding a parameter group that is not gathered; True if it
+    leaves it so (pytorch issues 153354, 187437: "mixed torch.Tensor and DTensor"; gathered from torch 2.12)."""
+    state = state_cls()
+    state._training_state = pre_backward
+    state._mp_policy = mp_policy_cls()  # no casts (2.13+ casts in this branch)
+    group = _GroupProbe()
+    if isinstance(getattr(state, "_fsdp_param_groups", None), list):  # 2.12+: a list, ``_fsdp_param_group`` reads it
+        state._fsdp_param_groups = [group]
+    else:
+        state._fsdp_param_group = group
+    try:
+        state._pre_forward(torch.nn.Module(), (torch.zeros(1),), {})
+    except Exception as e:
+        raise UnsupportedTorchError("FSDPState._pre_forward in PRE_BACKWARD", repr(e)) from None
+    if group.gathered:
+        return False
+    for name in ("unshard", "wait_for_unshard", "is_unsharded"):  # what the patch calls in torch's place
+        if not hasattr(_param_group_cls(), name):
+            raise UnsupportedTorchError(f"FSDPParamGroup.{name}", "missing")
+    return True
+
+
+def _param_group_cls() -> type:
+    module = _import_first(("torch.distributed.fsdp._fully_shard._fsdp_param_group",
+                            "torch.distributed._composable.fsdp._fsdp_param_group"), "FSDPParamGroup module")
+    return _attr(module, "FSDPParamGroup", "FSDPParamGroup")  # type: ignore[no-any-return]
+
+
+def gather_parameters(state: Any) -> bool:
+    """Gather (unshard, and wait for) the state's parameter groups that are not gathered, as torch 2.12's
+    recompute does; True if one was not."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = state._fsdp_param_group
+        groups = [group] if group is not None else []
+    gathered = False
+    for group in groups:
+        if not group.is_unsharded:
+            group.unshard()
+            group.wait_for_unshard()
+            gathered = True
+    return gathered
 
 
 @functools.lru_cache(maxsize=None)
@@ -222,6 +298,7 @@ def load() -> Internals:
         queue_backward_callback=_attr(torch.autograd.Variable._execution_engine, "queue_callback",
                                       "Variable._execution_engine.queue_callback"),
         needs_cast_replay=_probe_cast_replay(state_cls, pre_backward, mp_policy_cls),
+        needs_param_gather=_probe_param_gather(state_cls, pre_backward, mp_policy_cls),
         fsdp_hook_wrappers=_hook_wrappers(state_module),
     )
 
@@ -304,9 +381,12 @@ def _find_hook(hooks: dict[int, Any], target: Any) -> Slot | None:
 
 
 def hook_slots(state: Any, module: torch.nn.Module) -> HookSlots:
-    """Find FSDP's hook entries for ``module`` of ``state``; raise :class:`UnsupportedTorchError` if not there."""
-    entry = _find_hook(module._forward_pre_hooks, state._pre_forward)
-    post_entry = _find_hook(module._forward_hooks, state._post_forward)
+    """Find FSDP's hook entries for ``module`` of ``state``; raise :class:`UnsupportedTorchError` if not there.
+    FSDP's methods are taken from the state's class: the state's own attributes of those names are the patch's
+    (see ``fsdp_autocast_fix._patch._Cover``)."""
+    state_cls = type(state)
+    entry = _find_hook(module._forward_pre_hooks, types.MethodType(state_cls._pre_forward, state))
+    post_entry = _find_hook(module._forward_hooks, types.MethodType(state_cls._post_forward, state))
     if entry is None or post_entry is None:
         raise UnsupportedTorchError(
             f"FSDP's forward {'pre-hook' if entry is None else 'hook'} on {type(module).__name__}",
@@ -333,19 +413,6 @@ def group_casts(state: Any, module: torch.nn.Module) -> tuple[bool, bool]:
     return not to_run, len(to_run) == 1 and module in to_run
 
 
-def in_torch_checkpoint() -> bool:
-    """Whether ``torch.utils.checkpoint`` (either mode; also what ``checkpoint_wrapper``, the composable
-    ``checkpoint`` and selective checkpointing run on) is running the current recompute: a frame of its module
-    is on this thread's stack. It restores autocast itself. Off the hot path (ambiguous recomputes only)."""
-    path = torch.utils.checkpoint.__file__
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename == path:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _nested_code(function: Any, name: str) -> types.CodeType | None:
     """The code object of the function ``name`` defined inside ``function`` (None if there is none)."""
     code = getattr(function, "__code__", None)
@@ -361,9 +428,31 @@ _RECOMPUTE_CODE = _nested_code(getattr(torch.utils.checkpoint, "_checkpoint_with
 _REENTRANT_CODE = getattr(getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "backward", None),
                           "__code__", None)
 _CHECKPOINT_FILE = next((c.co_filename for c in (_RECOMPUTE_CODE, _REENTRANT_CODE) if c is not None), None)
+_CHECKPOINT_MODULE_FILE = torch.utils.checkpoint.__file__
 _autocast_cls = torch.autocast
 #: How far up the stack :func:`torch_recompute_regions` looks: the covered module's call is a few frames below.
 _RECOMPUTE_DEPTH = 32
+
+
+def in_torch_recompute() -> bool:
+    """Whether ``torch.utils.checkpoint`` (either mode; also what ``checkpoint_wrapper``, the composable
+    ``checkpoint`` and selective checkpointing run on) restored the forward's autocast state for the current call:
+    the innermost of its recomputes on this thread's stack is still recomputing (the non-reentrant
+    ``recompute_fn``, or the reentrant ``CheckpointFunction.backward`` before it has ``outputs``). Past that point
+    the reentrant mode runs a backward of its own, outside its autocast blocks, where a nested checkpoint that does
+    not restore autocast recomputes: not restored. Where torch reshaped both, any frame of its module counts.
+    Off the hot path (ambiguous recomputes only)."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code is _RECOMPUTE_CODE:
+            return True
+        if code is _REENTRANT_CODE:
+            return "outputs" not in frame.f_locals
+        if _RECOMPUTE_CODE is None and _REENTRANT_CODE is None and code.co_filename == _CHECKPOINT_MODULE_FILE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def torch_recompute_regions() -> int | None:

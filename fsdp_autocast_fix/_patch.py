@@ -18,7 +18,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import threading
+import types
 import weakref
 from typing import Any, Callable
 
@@ -26,7 +28,7 @@ import torch
 import wrapt
 
 from . import _autocast, _cache, _calls, _compat, _report
-from ._hooks import Placement, nn_register_forward_pre_hook
+from ._hooks import Placement, eager, nn_register_forward_pre_hook
 from ._replay import ALL_CAST, Replayer, held, release_region, restored
 
 logger = logging.getLogger("fsdp_autocast_fix")
@@ -44,7 +46,6 @@ _capture_enabled = _autocast.capture_enabled
 _leaves = _calls.leaves
 _Tensor = torch.Tensor
 _ALL_OFF = _autocast.ALL_OFF
-_hazards_active = _cache.active
 _group_casts = _compat.group_casts
 _held = held
 _release_region = release_region
@@ -97,16 +98,49 @@ class _Module:
         if placement.lead is None:
             self.begin(module, args, kwargs)
         result = placement.fsdp_call(module, args, kwargs)
+        if self.state._training_state is self.pre_backward and self.cover.gathers:
+            self.replayer.gather()  # this torch's recompute leaves resharded parameters so
         replays = self.replayer.replays
         if replays and replays[-1].pre_pending:
             return self.replayer.pre_casts(args, kwargs, result)
         return result
 
-    def begin(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Record an ordinary call or start the replay of a recompute: from the entry, or as the lead pre-hook
-        while user pre-hooks run before FSDP's."""
+    def method_entry(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     caller: types.FrameType) -> Any:
+        """In the place of FSDP's pre-forward for a method registered with ``register_fsdp_forward_method`` (it
+        calls the state's ``_pre_forward`` itself, no hook runs): record or replay, then FSDP's pre-forward; a
+        replay started here is undone by :meth:`method_exit` in the same method call (``caller``, its frame)."""
+        replays = self.replayer.replays
+        started = len(replays)
+        self.begin(module, args, kwargs, caller)
+        result = self.cover.fsdp_pre_forward(module, args, kwargs)
+        if self.state._training_state is self.pre_backward and self.cover.gathers:
+            self.replayer.gather()
+        if len(replays) > started and replays[-1].pre_pending:
+            return self.replayer.pre_casts(args, kwargs, result)
+        return result
+
+    def method_exit(self, module: torch.nn.Module, input: Any, output: Any, caller: types.FrameType) -> Any:
+        """In the place of FSDP's post-forward for a registered method: FSDP's, then the output cast and the undo of
+        the replay this method call started, if it did."""
+        output = self.cover.fsdp_post_forward(module, input, output)
+        replays = self.replayer.replays
+        if replays and replays[-1].caller is caller:
+            return self.replayer.method_exit(replays[-1], output)
+        return output
+
+    def begin(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+              caller: types.FrameType | None = None) -> None:
+        """Record an ordinary call or start the replay of a recompute: from the entry, as the lead pre-hook
+        while user pre-hooks run before FSDP's, or from a registered method (``caller``: its frame)."""
+        method = caller is not None
         if _graph_task_id() != -1:  # a recompute: only a backward runs one (FSDP stays in PRE_BACKWARD after a
-            self.replayer.start(module, _leaves(args, kwargs))  # backward that raised)
+            tensors = _leaves(args, kwargs)  # backward that raised)
+            self.replayer.start(module, tensors, caller)
+            if not _is_grad_enabled() and not _is_inference_mode_enabled():
+                # a checkpoint's forward inside this recompute (a per-layer checkpoint under a checkpoint of the
+                # whole stack): recorded in the state it runs in now, the forward's, for its own recompute later
+                self.log.record(tensors, self.replayer.nested_call(module), _sequence_nr())
             return
         if self.replayer.replays:  # left by an interrupted recompute (KeyboardInterrupt skips always_call hooks)
             self.replayer.drop_stale()
@@ -115,9 +149,9 @@ class _Module:
         grad = _is_grad_enabled()
         if _any_autocast_enabled():
             now = _capture_enabled(self.device_types)
-            call = self._call(module, now, grad) if self.varies or self.cached else (now,) + _PLAIN_REST
+            call = self._call(module, now, grad, method) if self.varies or self.cached else (now,) + _PLAIN_REST
         elif self.varies:
-            call = self._call(module, _ALL_OFF, grad)
+            call = self._call(module, _ALL_OFF, grad, method)
         else:
             call = _PLAIN_CALL
         if _is_inference_mode_enabled():  # an inference-mode call is never recomputed, even under enable_grad
@@ -127,17 +161,15 @@ class _Module:
         else:
             self.log.record(_leaves(args, kwargs), call, -1 if grad else _sequence_nr())
 
-    def _call(self, module: torch.nn.Module, now: Any, grad: bool) -> tuple[Any, ...]:
-        """The record of a call under the autocast state ``now``, grad mode ``grad``; first, under autocast with
-        the cast cache on and parameters autocast can cache, the cache's hazards (see :mod:`._cache`)."""
+    def _call(self, module: torch.nn.Module, now: Any, grad: bool, method: bool) -> tuple[Any, ...]:
+        """The record of a call under the autocast state ``now``, grad mode ``grad`` (``method``: of a registered
+        method, which FSDP's pre- and post-forward always cast); first, under autocast with the cast cache on and
+        parameters autocast can cache, the cache's hazards (see :mod:`._cache`)."""
         if now is not _ALL_OFF and now[1] and self.cached:
-            if not grad:
-                _cache.note(self.cover_key, -1, self.device_types)
-            elif _hazards_active[0]:
-                _cache.check(self.cover_key, -1, self.name)
+            _cache.before_call(self.cover_key, -1, grad, self.device_types, self.name, self.cover.trainable)
         state = self.state
         moved = self.may_move and state._state_ctx.iter_forward_root is None  # this call starts a forward pass
-        return (now, moved) + (_group_casts(state, module) if self.grouped else ALL_CAST)
+        return (now, moved) + (_group_casts(state, module) if self.grouped and not method else ALL_CAST)
 
     def remove(self) -> None:
         """Take the patch off the module: FSDP's hooks as they were, no replay left in flight."""
@@ -146,16 +178,26 @@ class _Module:
 
 
 class _Cover:
-    """The patch on one FSDP state: its modules' hooks, and FSDP's casts where this torch skips them."""
+    """The patch on one FSDP state: its modules' hooks, its pre- and post-forward as registered methods call them,
+    and FSDP's casts where this torch skips them.
 
-    __slots__ = ("state", "owner", "pre_backward", "torch_skips_casts", "device_types", "may_move",
-                 "caches_parameters", "modules_of_state", "modules", "__weakref__")
+    ``register_fsdp_forward_method`` wraps a method so that it calls the state's ``_pre_forward`` and
+    ``_post_forward`` itself, looked up on the state at each call (no module hook runs): the patch puts its own
+    there as attributes of the state (:meth:`_method_pre_forward`, :meth:`_method_post_forward`), which leave
+    FSDP's hooks, bound at ``fully_shard`` time, as they are. So methods registered before and after the patch
+    are recorded and replayed as ``forward`` is."""
+
+    __slots__ = ("state", "owner", "pre_backward", "torch_skips_casts", "gathers", "device_types", "may_move",
+                 "caches_parameters", "modules_of_state", "modules", "fsdp_pre_forward", "fsdp_post_forward",
+                 "method_hooks", "__weakref__")
 
     def __init__(self, state: Any, slots: list[tuple[torch.nn.Module, _compat.HookSlots]], owner: str) -> None:
         self.state = state
         self.owner = owner
         self.pre_backward = _internals().pre_backward
         self.torch_skips_casts = _internals().needs_cast_replay  # this torch's recompute skips FSDP's casts
+        #: Whether the patch gathers resharded parameters in the recompute, in FSDP's place (torch before 2.12).
+        self.gathers = _internals().needs_param_gather
         device_type = state._device.type
         self.device_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
         self.may_move = device_type in _MOVING_DEVICE_TYPES
@@ -163,15 +205,53 @@ class _Cover:
         #: Whether autocast can cache casts of the state's parameters (else its calls have no cache hazard).
         self.caches_parameters = _cache.caches_parameters(state._mp_policy.param_dtype, self.modules_of_state)
         self.modules = [_Module(self, module, s) for module, s in slots]
+        state_cls = type(state)  # FSDP's own, as its hooks call them (not the attributes set below)
+        self.fsdp_pre_forward = types.MethodType(state_cls._pre_forward, state)
+        self.fsdp_post_forward = types.MethodType(state_cls._post_forward, state)
+        self.method_hooks = (eager(self._method_pre_forward), eager(self._method_post_forward))
+        state._pre_forward, state._post_forward = self.method_hooks
+
+    def _module(self, module: torch.nn.Module) -> _Module | None:
+        return next((m for m, of in zip(self.modules, self.modules_of_state) if of is module), None)
+
+    def _method_pre_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        covered = self._module(module)
+        if covered is None:
+            return self.fsdp_pre_forward(module, args, kwargs)
+        return covered.method_entry(module, args, kwargs, _method_frame())
+
+    def _method_post_forward(self, module: torch.nn.Module, input: Any, output: Any) -> Any:
+        covered = self._module(module)
+        if covered is None:
+            return self.fsdp_post_forward(module, input, output)
+        return covered.method_exit(module, input, output, _method_frame())
+
+    def trainable(self) -> bool:
+        """Whether autocast may cache a cast of one of the state's parameters now (see :mod:`._cache`)."""
+        return _cache.trainable_casts(self.state._mp_policy.param_dtype, _compat.sharded_parameters(self.state))
 
     def casts(self) -> bool:
         """Whether the patch casts in FSDP's place in ``PRE_BACKWARD``."""
         return self.torch_skips_casts or _force
 
     def remove(self) -> None:
-        """Take the patch off every module of the state; FSDP's hooks are as they were."""
+        """Take the patch off every module of the state; FSDP's hooks and pre- and post-forward are as they were."""
         for module_cover in self.modules:
             module_cover.remove()
+        attributes = vars(self.state)
+        for name, ours in zip(("_pre_forward", "_post_forward"), self.method_hooks):
+            if attributes.get(name) is ours:
+                del attributes[name]
+
+
+def _method_frame() -> types.FrameType:
+    """The frame of the registered method that called the state's pre- or post-forward: the first frame above the
+    patch's and torch.compile's wrapper's (both calls of one method call find the same)."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and (frame.f_code.co_filename == __file__
+                                        or frame.f_globals.get("__name__", "").startswith("torch._dynamo")):
+        frame = frame.f_back
+    return frame
 
 
 @functools.wraps(torch.nn.Module.register_forward_pre_hook)
@@ -373,7 +453,7 @@ def _checkpointed(function: Callable[..., Any], args: tuple[Any, ...], kwargs: d
     if _any_autocast_enabled() and torch.is_autocast_cache_enabled():
         if not _is_grad_enabled():
             _cache.note(_cache.EVERY_STATE, -1, _compat.autocast_device_types())
-        elif _hazards_active[0]:
+        elif _cache.active[0]:
             _cache.check(_cache.EVERY_STATE, _graph_task_id(), "preserve_autocast")
     if _graph_task_id() == -1:
         return function(*args, **kwargs)

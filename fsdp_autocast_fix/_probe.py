@@ -61,29 +61,49 @@ class NoAutocastRestore(torch.autograd.Function):
         return None, x.grad
 
 
+class _Parent(nn.Module):
+    """A checkpointed block holding a block sharded on its own (pytorch issues 153354, 187437)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = _GeluLinear()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.child(x))
+
+
 #: (name, module kwargs, MixedPrecisionPolicy kwargs, checkpoint kind)
 PATTERNS: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
     ("checkpoint(fully_shard(m)) under autocast, MixedPrecisionPolicy(param_dtype=bf16)", {},
      {"param_dtype": torch.bfloat16}, "torch"),
     ("same, block starts with x.float()", {"float_first": True}, {"param_dtype": torch.bfloat16}, "torch"),
     ("checkpoint that does not restore autocast (custom autograd.Function)", {}, {}, "custom"),
+    ("checkpointed block with a child sharded on its own, called twice before one backward", {}, {}, "twice"),
 ]
 
 
 def _grads(device: torch.device, shard: Callable[..., Any], module_kwargs: dict[str, Any],
-           policy_kwargs: dict[str, Any], kind: str | None) -> list[torch.Tensor]:
+           policy_kwargs: dict[str, Any], kind: str, use_checkpoint: bool = True) -> list[torch.Tensor]:
+    """The gradients of one step of the pattern (``use_checkpoint=False``: the same step without checkpoint)."""
     fsdp = _compat.fsdp_package()
     torch.manual_seed(0)
-    model = _GeluLinear(**module_kwargs).to(device)
-    shard(model, mp_policy=fsdp.MixedPrecisionPolicy(**policy_kwargs))
+    policy = fsdp.MixedPrecisionPolicy(**policy_kwargs)
+    model: nn.Module = (_Parent() if kind == "twice" else _GeluLinear(**module_kwargs)).to(device)
+    if kind == "twice":
+        shard(model.child, mp_policy=policy)
+    shard(model, mp_policy=policy)
     x = torch.randn(8, DIM, device=device, requires_grad=True)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        if kind == "torch":
-            out = checkpoint(model, x, use_reentrant=False)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=kind != "twice"):  # twice: no autocast needed
+        if not use_checkpoint:
+            out = model(x)
         elif kind == "custom":
             out = NoAutocastRestore.apply(model, x)
         else:
-            out = model(x)
+            out = checkpoint(model, x, use_reentrant=False)
+        if kind == "twice":  # the second call's post-backward reshards the child before the first's recompute
+            y = torch.randn(8, DIM, device=device, requires_grad=True)
+            out = torch.cat([out, (checkpoint(model, y, use_reentrant=False) if use_checkpoint else model(y)).pow(2)])
     out.float().sum().backward()
     return [x.grad] + [p.grad.full_tensor() for p in model.parameters()]  # type: ignore[union-attr,return-value]
 
@@ -121,7 +141,7 @@ def run() -> list[dict[str, str]]:
     results = []
     try:
         for name, module_kwargs, policy_kwargs, kind in PATTERNS:
-            reference = _grads(device, fully_shard, module_kwargs, policy_kwargs, None)
+            reference = _grads(device, fully_shard, module_kwargs, policy_kwargs, kind, use_checkpoint=False)
             row = {"pattern": name, "checkpoint": kind}
             row["stock"] = _verdict(lambda: _grads(device, fully_shard, module_kwargs, policy_kwargs, kind), reference)
             if kind == "torch" and row["stock"] == "wrong gradients":

@@ -8,15 +8,18 @@ checkpoints recompute) of a covered module is replayed by its :class:`Replayer`:
   Modules called inside it re-run as in the forward and need nothing. The next sharded calls of the same region
   (the same graph task and backward node) follow the region's first call while the region's own code leaves
   autocast as it was (:class:`Region`).
-* In ``PRE_BACKWARD`` FSDP skips its root input move, and in torch 2.4-2.12 its casts: the replay does what the
-  call's forward did, right after FSDP's pre-hook (:meth:`Replayer.pre_casts`) and, for the output, in FSDP's
+* In ``PRE_BACKWARD`` FSDP skips its root input move, in torch 2.4-2.12 its casts, and before torch 2.12 the
+  gather of parameters resharded since the forward (:meth:`Replayer.gather`): the replay does what the call's
+  forward did, right after FSDP's pre-hook (:meth:`Replayer.pre_casts`) and, for the output, in FSDP's
   forward-hook entry (:meth:`Replayer.post_forward`), so user hooks before and after FSDP's see what they saw in
-  the forward.
+  the forward. A method registered with ``register_fsdp_forward_method`` runs no hook: its own calls of FSDP's
+  pre- and post-forward do the same (:meth:`Replayer.method_exit`).
 
 Invariant: every replay that :meth:`Replayer.start` begins is undone exactly once, by :meth:`Replayer.exit`
-(the module's last forward hook, ``always_call``: also on errors and checkpoint's early stop) or, after an
-interrupt that skipped it, by :meth:`Replayer.drop_stale` at the module's next ordinary call; nothing else
-changes autocast.
+(the module's last forward hook, ``always_call``: also on errors and checkpoint's early stop) or a registered
+method's post-forward (:meth:`Replayer.method_exit`; where the method unwound without it, by
+:meth:`Replayer.abandon` at the thread's next recompute), or, after an interrupt that skipped it, by
+:meth:`Replayer.drop_stale` at the module's next ordinary call; nothing else changes autocast.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import threading
+import types
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _autocast, _cache, _compat, _report
+from . import _autocast, _cache, _calls, _compat, _report
 
 if TYPE_CHECKING:
     from ._calls import CallLog
@@ -51,14 +56,17 @@ _decrement_nesting = torch.autocast_decrement_nesting
 
 class _Thread(threading.local):
     """This thread's replay state, each read as one attribute: its recomputes in flight (``frames``, outermost
-    first), its current :class:`Region`, the backward whose end releases its hold (``ending``), and how many
-    :func:`restored` blocks it is in."""
+    first), its current :class:`Region`, the backward whose end releases its hold (``ending``), how many
+    :func:`restored` blocks it is in, and the registered methods' replays in flight (``methods``), with the
+    backward whose end looks for those left behind (``sweeping``)."""
 
     def __init__(self) -> None:
         self.frames: list[Replay] = []
         self.region: Region | None = None
         self.ending: int | None = None
         self.restored = 0
+        self.methods: list[Replay] = []
+        self.sweeping: int | None = None
 
 
 _tls = _Thread()
@@ -80,7 +88,9 @@ class Region:
     record names them) follow that call's state, unless the region's code changed autocast itself since. Where
     the replay entered a state (the checkpoint did not restore the forward's), the region holds it, paused
     between its calls, so that they share autocast's cached casts as they did in the forward; the hold ends
-    when another region starts on this thread, when the backward ends, or at the next ordinary forward.
+    when a backward first reaches the output of one of its replayed calls (:func:`_end_when_backwarded`: the
+    recompute has returned), when another region starts on this thread, when the backward ends, or at the next
+    ordinary forward.
     """
 
     __slots__ = ("where", "call", "now", "entered", "depth")
@@ -90,6 +100,21 @@ class Region:
         self.where, self.call, self.now, self.entered = where, call, now, entered
         #: autocast's nesting count between the region's calls: at its start, plus what the hold keeps
         self.depth = depth + (len(entered.device_types) if entered is not None else 0)
+
+    def let_go(self) -> None:
+        """End the hold, not the region: its later calls (if any) enter the state again (:meth:`enter_again`)."""
+        entered = self.entered
+        if entered is not None:
+            held[0] -= 1
+            self.depth -= len(entered.device_types)
+            self.entered = None
+            entered.release(restore=True)
+
+    def enter_again(self, device_types: tuple[str, ...]) -> None:
+        """A later call of a region whose hold was let go: hold the call's state again."""
+        self.entered = _autocast.Entered(self.call[0], device_types)
+        self.depth += len(device_types)
+        self.start()
 
     def follows(self, here: tuple[int, Any], now: Any) -> bool:
         """Whether a sharded call at ``here`` under ``now`` is a later call of this region whose code left
@@ -127,8 +152,9 @@ def restored() -> Iterator[None]:
 
 def _state_restored() -> bool:
     """Whether the checkpoint running this recompute restored the forward's autocast state itself: inside
-    :func:`restored` (``preserve_autocast``), or under ``torch.utils.checkpoint`` (read off the stack: last)."""
-    return bool(_tls.restored) or _compat.in_torch_checkpoint()
+    :func:`restored` (``preserve_autocast``), or in ``torch.utils.checkpoint``'s recompute (read off the stack:
+    last)."""
+    return bool(_tls.restored) or _compat.in_torch_recompute()
 
 
 #: How many regions hold an entered state, on any thread (ordinary forwards check it: one list read).
@@ -160,9 +186,48 @@ def _end_of_backward(graph_task: int) -> None:
     if _tls.ending == graph_task:
         _tls.ending = None
     region = _tls.region
-    if region is not None and region.entered is not None and region.where[0] == graph_task \
-            and region.entered.thread == threading.get_ident():
-        release_region()
+    if region is not None and region.where[0] == graph_task and (
+            region.entered is None or region.entered.thread == threading.get_ident()):
+        release_region()  # (a region whose hold was let go ends here too)
+
+
+def _end_when_backwarded(output: Any, entered: _autocast.Entered) -> None:
+    """End the hold of ``entered`` (its region's: :meth:`Region.let_go`) when a backward first reaches a tensor of
+    ``output``: a recompute's graph is backwarded once the recompute has run (a reentrant-style checkpoint's own
+    backward), so the casts held for the region's later calls go as the checkpoint's own function returns, not at
+    the end of the whole backward: no more than one region's casts are alive at once, as in the run without the
+    patch. (A backward inside the region, a gradient penalty's, lets them go early: a later call of the region
+    enters the state again, with casts of its own.)"""
+    def end(_grads: Any) -> None:
+        region = _tls.region
+        if region is not None and region.entered is entered and entered.thread == threading.get_ident():
+            region.let_go()
+
+    for tensor in _calls.tensors(output):
+        node = tensor.grad_fn
+        if node is not None:
+            node.register_prehook(end)
+
+
+def _drop_unwound() -> None:
+    """Undo the registered methods' replays on this thread whose method call is no longer on the stack: it raised
+    (checkpoint's early stop raises inside the recompute) before calling its post-forward. Run at the thread's
+    next recompute and at the end of the backward."""
+    live = set()
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        live.add(id(frame))  # each replay's caller is held by the replay: its id is not reused meanwhile
+        frame = frame.f_back
+    for replay in [r for r in _tls.methods if id(r.caller) not in live]:
+        replay.owner.abandon(replay)  # type: ignore[union-attr]
+
+
+def _sweep_methods(graph_task: int) -> None:
+    """The end of backward ``graph_task``: drop the registered methods' replays it left behind."""
+    if _tls.sweeping == graph_task:
+        _tls.sweeping = None
+    if _tls.methods:
+        _drop_unwound()
 
 
 class Replay:
@@ -171,15 +236,19 @@ class Replay:
     ``graph_task``: the backward it runs in, where the module is the outermost covered module of the recompute
     (the replay is then on this thread's :func:`frames` until it is undone), else None. ``moved``, ``cast_in``,
     ``cast_out``: what the patch does in FSDP's place, each only where the call's forward did it and the policy
-    makes it (a cast to no dtype is none: the post-hook is not swapped, the pre-hook's result not touched)."""
+    makes it (a cast to no dtype is none: the post-hook is not swapped, the pre-hook's result not touched).
+    ``caller``: for a registered method's call, the method's frame (its post-forward undoes the replay; held until
+    then), else None; ``owner``: the :class:`Replayer` whose replay it is."""
 
-    __slots__ = ("graph_task", "entered", "moved", "cast_in", "cast_out", "pre_pending")
+    __slots__ = ("graph_task", "entered", "moved", "cast_in", "cast_out", "pre_pending", "caller", "owner")
 
     def __init__(self, graph_task: int | None, entered: _autocast.Entered | None, moved: bool, cast_in: bool,
                  cast_out: bool) -> None:
         self.graph_task, self.entered = graph_task, entered
         self.moved, self.cast_in, self.cast_out = moved, cast_in, cast_out
         self.pre_pending = moved or cast_in  # done right after FSDP's pre-hook, by the entry
+        self.caller: Any = None
+        self.owner: Replayer | None = None
 
 
 class Replayer:
@@ -203,16 +272,24 @@ class Replayer:
         last = self.log.last
         return last[2:] if last is not None else _compat.group_casts(self.cover.state, module)
 
+    def nested_call(self, module: torch.nn.Module) -> Any:
+        """The record of a forward call inside a recompute, as it runs now (after :meth:`start`): the autocast
+        state, no root move (it is not a forward pass's first call), FSDP's casts as for a call no record names."""
+        return (_autocast.capture(self.cover.device_types), False) + self._casts_of(module)
+
     # -- start ------------------------------------------------------------------------------------------
 
-    def start(self, module: torch.nn.Module, tensors: list[torch.Tensor]) -> None:
-        """A recompute of ``module`` begins (its inputs' leaves ``tensors``): enter its call's state, if needed."""
+    def start(self, module: torch.nn.Module, tensors: list[torch.Tensor], caller: Any = None) -> None:
+        """A recompute of ``module`` begins (its inputs' leaves ``tensors``): enter its call's state, if needed.
+        ``caller``: the frame of a registered method, whose post-forward undoes the replay (no hook runs)."""
         cover = self.cover
         state = cover.state
         graph_task = _graph_task_id()
         stack_of_frames = _tls.frames
         if stack_of_frames and stack_of_frames[0].graph_task != graph_task:  # left by an earlier backward
             stack_of_frames.clear()
+        if _tls.methods:
+            _drop_unwound()
         entered = None
         outermost = not stack_of_frames
         if outermost:  # the outermost covered module of this recompute: the call it replays
@@ -222,12 +299,8 @@ class Replayer:
         else:
             chosen = None  # inside a replayed module: it re-runs as in the forward
         if cover.caches_parameters and _any_autocast_enabled() and _is_autocast_cache_enabled():
-            if not _is_grad_enabled():  # a forward inside the recompute (a nested checkpoint's)
-                _cache.note(self.key, -1, cover.device_types)
-            else:
-                if _cache.active[0]:
-                    _cache.check(self.key, graph_task, self.name)
-                _cache.note(self.key, graph_task, cover.device_types)
+            _cache.before_call(self.key, graph_task, _is_grad_enabled(), cover.device_types, self.name,
+                               cover.trainable)
         if chosen is None:
             chosen = (None, False) + self._casts_of(module)
         _, moved, cast_in, cast_out = chosen
@@ -241,9 +314,17 @@ class Replayer:
         if not outermost and not (moved or cast_in or cast_out):
             return
         replay = Replay(graph_task if outermost else None, entered, moved, cast_in, cast_out)
+        replay.owner = self
         if outermost:
             stack_of_frames.append(replay)
         self.replays.append(replay)
+        if caller is not None:
+            replay.caller = caller
+            _tls.methods.append(replay)
+            if _tls.sweeping != graph_task:
+                _tls.sweeping = graph_task
+                _compat.load().queue_backward_callback(functools.partial(_sweep_methods, graph_task))
+            return
         if cast_out:
             self.placement.swap_post(True)
         self.placement.register_exit(module)
@@ -266,6 +347,8 @@ class Replayer:
             if calls is None and region.follows(here, now):
                 if region.entered is not None:
                     region.entered.resume()
+                elif region.call[0] != now:  # its hold was let go (a backward inside the region)
+                    region.enter_again(self.cover.device_types)
                 return region.call[:1] + (False,) + self._casts_of(module), region.entered
             _end(region)
         if calls is not None:
@@ -316,6 +399,13 @@ class Replayer:
                 type(module).__name__, len({state for state, _ in calls}))
         return calls[-1][0]
 
+    def gather(self) -> None:
+        """In ``PRE_BACKWARD``, right after FSDP's pre-forward: gather the state's parameters that were resharded
+        since the forward (a module run twice before one backward, whose first post-backward resharded them), as
+        torch 2.12's recompute does; this torch's returns early and leaves them sharded."""
+        if _compat.gather_parameters(self.cover.state):
+            _report.count(self.name, "param_gathers")
+
     # -- FSDP's casts, in FSDP's place --------------------------------------------------------------------
 
     def pre_casts(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> Any:
@@ -345,17 +435,44 @@ class Replayer:
 
     def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """Last forward hook while a replay is in flight: undo what :meth:`start` changed, also on errors."""
+        if _tls.methods:  # a registered method called in this forward may have unwound without its post-forward
+            _drop_unwound()
         if not self.replays:  # a stale registration after an exception: drop it now
             self.placement.unregister_exit(self.replays)
             return
         replay = self.replays.pop()
         try:
+            self._finish(replay, output)
+        finally:
+            if not self.replays:
+                self.placement.unregister_exit(self.replays)
+
+    def method_exit(self, replay: Replay, output: Any) -> Any:
+        """A registered method's post-forward in a replay it started, after FSDP's: the output cast FSDP's forward
+        did, then the undo of :meth:`start`."""
+        if replay.cast_out:
+            _report.count(self.name, "output_casts")
+            output = _cast(self.cover.state._mp_policy.output_dtype, output)
+        self.replays.remove(replay)
+        self._finish(replay, output)
+        return output
+
+    def abandon(self, replay: Replay) -> None:
+        """Undo a registered method's replay whose call unwound without its post-forward (an error, or
+        checkpoint's early stop)."""
+        if replay in self.replays:
+            self.replays.remove(replay)
+        self._finish(replay, None)
+
+    def _finish(self, replay: Replay, output: Any) -> None:
+        """Undo ``replay`` (taken off the replays in flight); its entered state paused, its region's hold to end
+        when a backward reaches ``output``."""
+        try:
             self._undo(replay)
         finally:
             if replay.entered is not None:
                 replay.entered.pause()
-            if not self.replays:
-                self.placement.unregister_exit(self.replays)
+                _end_when_backwarded(output, replay.entered)
 
     def _undo(self, replay: Replay) -> None:
         if replay.cast_out and not any(r.cast_out for r in self.replays):
@@ -364,6 +481,10 @@ class Replayer:
             stack_of_frames = _tls.frames
             if replay in stack_of_frames:
                 stack_of_frames.remove(replay)
+        if replay.caller is not None:  # a registered method's: its frame is let go
+            if replay in _tls.methods:
+                _tls.methods.remove(replay)
+            replay.caller = None
 
     def drop_stale(self) -> None:
         """Forget the replays an interrupt left behind (``KeyboardInterrupt`` skips ``always_call`` hooks).

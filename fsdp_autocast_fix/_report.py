@@ -52,12 +52,13 @@ class ModuleReport:
     input_casts: int = 0
     output_casts: int = 0
     root_moves: int = 0
+    param_gathers: int = 0
     cache_drops: int = 0
     unidentified: int = 0
 
     def replayed(self) -> int:
         """How many things the patch replayed that the recompute would have lost: autocast states, casts, moves."""
-        return self.autocast_changed + self.input_casts + self.output_casts + self.root_moves
+        return self.autocast_changed + self.input_casts + self.output_casts + self.root_moves + self.param_gathers
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class Report(ModuleReport):
         input_casts: FSDP ``MixedPrecisionPolicy`` input casts it replayed that torch skipped in the recompute.
         output_casts: FSDP ``output_dtype`` casts it replayed likewise.
         root_moves: FSDP root input moves to the device it replayed (no torch release replays them).
+        param_gathers: recomputes in which it gathered parameters resharded since the forward, which torch
+            before 2.12 leaves sharded ("mixed torch.Tensor and DTensor", pytorch issues 153354 and 187437).
         cache_drops: times it dropped autocast's cached casts before a grad-enabled call because a call under
             ``no_grad`` with the cache on ran since (pytorch issue 158232): where that call's autocast region was
             still open, its casts would have cost the parameter gradients; where the region had ended (backward
@@ -105,13 +108,18 @@ class Report(ModuleReport):
             fixed = [f"{n} {label}" for n, label in ((self.autocast_changed, "autocast states"),
                                                      (self.input_casts, "input casts"),
                                                      (self.output_casts, "output casts"),
-                                                     (self.root_moves, "root input moves")) if n]
+                                                     (self.root_moves, "root input moves"),
+                                                     (self.param_gathers, "parameter gathers")) if n]
             line = f"the patch fixed this run: it replayed {', '.join(fixed)} the recompute would have lost; keep it"
         elif self.cache_drops:
             line = (f"the patch replayed nothing ({seen}) but dropped autocast's cast cache {self.cache_drops} times "
                     "after no_grad calls under autocast (pytorch issue 158232): needed where such a call ran in the "
                     "training's open autocast region (an eval pass, or a reentrant checkpoint with backward inside "
                     "autocast); keep it unless none does")
+        elif self.unidentified:
+            return (f"the patch replayed nothing ({seen}), but {self.unidentified} recomputes it could not identify "
+                    "ran under the state their checkpoint set, which it could not check: wrap their checkpoint with "
+                    "fsdp_autocast_fix.preserve_autocast; whether you need the patch cannot be told from this run")
         else:
             line = (f"the patch changed nothing in this run ({seen}): with this model, checkpoint, autocast "
                     "setup and torch you may not need it (check every configuration you train before unpinning)")

@@ -16,7 +16,9 @@ A cell is one value per dimension (:data:`DIMENSIONS`):
   region, both forwards first, an eval forward between their backwards; two steps with an eval forward between
   them; ``backward(retain_graph=True)``, an eval forward, a second backward; two forwards under different
   autocast states before one backward; two forwards in one autocast region, then two backwards
-  (``same_region``) or one backward of their sum (``two_passes``, two views of a batch); a forward and backward
+  (``same_region``) or one backward of their sum (``two_passes``, two views of a batch), or with an eval
+  ``no_grad`` forward under the region's autocast between them (``eval_between_passes``); an eval ``no_grad``
+  forward under the region's autocast after the step's forward (``eval_in_region_after``); a forward and backward
   of the step's input without checkpoint, under another autocast state, between the step's forward and its
   backward (``plain_pass``: an auxiliary loss on the same batch);
 * ``hooks``: user hooks on every sharded module: forward pre-hook registered before / after sharding /
@@ -32,7 +34,11 @@ A cell is one value per dimension (:data:`DIMENSIONS`):
   two sharded units one after the other; one unit twice; the unit in a checkpoint nested in another; the unit
   in two regions one after the other;
 * ``signature``: how every sharded module is called: on one tensor; on a tensor shared by every call (a mask)
-  then the input; by keyword only; on a tuple; on a dict; on views of one batch.
+  then the input; by keyword only; on a tuple; on a dict; on views of one batch;
+* ``route``: how every sharded module is entered: its ``forward`` (``__call__``), or a method registered with
+  ``register_fsdp_forward_method`` (``encode``: FSDP's pre- and post-forward run, no module hook);
+* ``params``: the parameters trainable, all frozen (``requires_grad=False``: a critic, a reward model; the
+  inputs' gradients still flow through), or a frozen part inside each trainable block (its biases).
 
 Each cell runs in a mode: ``stock`` (the positive control), ``apply`` (before sharding), ``late_apply``
 (after sharding and after the hooks), ``patched_fully_shard``. The ground truth (:func:`truth`) is the same
@@ -83,6 +89,8 @@ def deepspeed_available() -> bool:
 
 
 SIGNATURES = ("tensor", "shared_first", "kwargs", "tuple", "dict", "views")
+#: Histories with two training forward passes backwarded together.
+TWO_PASSES = ("mixed_states", "two_passes", "eval_between_passes")
 FRONTENDS = ("none", "torch", "torch_reentrant", "wrapper", "composable", "selective",
              "fn_restore", "fn_no_restore", "fn_disable", "deepspeed", "deepspeed_non_reentrant")
 #: Front ends whose checkpoint does not restore the forward's autocast state in the recompute.
@@ -97,12 +105,15 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "autocast": ("bf16", "fp16", "off", "bf16_no_cache"),
     "backward": ("inside", "outside"),
     "history": ("none", "eval_before", "eval_before_same_input", "eval_in_region", "eval_between", "micro_batches",
-                "eval_between_steps", "retain_graph", "mixed_states", "same_region", "two_passes", "plain_pass"),
+                "eval_between_steps", "retain_graph", "mixed_states", "same_region", "two_passes", "plain_pass",
+                "eval_in_region_after", "eval_between_passes"),
     "hooks": ("none", "pre_before", "pre_after", "pre_after_prepend", "post_before", "post_after",
               "post_after_bf16", "global_pre", "global_post", "full_backward"),
     "topology": ("root", "layers", "nested", "grouped", "grouped_each"),
     "region": ("module", "pre_ops", "two_modules", "twice", "nested", "across"),
     "signature": SIGNATURES,
+    "route": ("forward", "method"),
+    "params": ("trainable", "frozen", "frozen_part"),
 }
 
 
@@ -119,6 +130,8 @@ class Cell:
     topology: str
     region: str = "module"
     signature: str = "tensor"
+    route: str = "forward"
+    params: str = "trainable"
 
     @property
     def name(self) -> str:
@@ -126,12 +139,12 @@ class Cell:
 
     def recomputes_per_backward(self) -> int:
         """How many checkpointed regions run the same sharded module before one backward."""
-        return (2 if self.region == "across" else 1) * (2 if self.history in ("mixed_states", "two_passes") else 1)
+        return (2 if self.region == "across" else 1) * (2 if self.history in TWO_PASSES else 1)
 
     def runs_a_module_twice(self) -> bool:
         """Whether a sharded module runs forward twice before one backward: several passes, or a region that
         calls it twice or checkpoints it in two regions."""
-        return self.history in ("mixed_states", "two_passes") or self.region in ("twice", "across")
+        return self.history in TWO_PASSES or self.region in ("twice", "across")
 
     def needs_preserve_autocast(self) -> bool:
         """Whether the patch needs :func:`fsdp_autocast_fix.preserve_autocast` around the checkpoint here: the
@@ -149,7 +162,7 @@ class Cell:
         """Whether autocast's cache gives two uses of one parameter one cast here, so that its gradient is summed
         in low precision before the cast's backward: the only cells where the cache changes gradient bits."""
         return self.cache() and self.casts_parameters() and (
-            self.region in ("twice", "across") or self.history == "two_passes")
+            self.region in ("twice", "across") or self.history in TWO_PASSES[1:])
 
     def cache(self) -> bool:
         """Whether autocast's cast cache is on in this cell."""
@@ -177,10 +190,15 @@ class Cell:
             # the cast cache's casts of its parameters; backwarded separately, the second backward's gradients
             # through them arrive after FSDP's post-backward hook and are lost. Whether the passes will be
             # backwarded together (then sharing is exact: see "two_passes") is not known at the second forward.
+        if (self.history == "eval_between_passes" and self.precision == "fp32_params" and self.cache()
+                and self.params != "frozen"):
+            return False  # documented (README, "dropping autocast's cache is all or nothing"): the eval's no_grad
+            # call of trainable fp32 parameters notes a hazard, so the second pass casts anew where stock reuses the
+            # first pass's casts (which have autograd history): other bits in the last place
         if self.precision == "no_input_cast" and self.autocast == "off":
             return False  # fp32 inputs into bf16 parameters: fails without any checkpoint
         if self.frontend == "selective" and self.casts_parameters() and self.cache() and (
-                self.region == "across" or self.history == "two_passes"):
+                self.region == "across" or self.history in TWO_PASSES[1:]):
             return False  # torch: selective checkpointing needs the recompute to run the forward's ops; a region
             # whose forward took a parameter's cast from the cache (cast by an earlier region of the same autocast
             # region) casts it afresh in its recompute ("... not found in storage"), stock or patched
@@ -217,10 +235,6 @@ class Cell:
             return False  # torch 2.13+: FSDP's output cast in the recompute runs ops (a profiler range, a copy)
             # that selective checkpointing counts; with a forward hook after FSDP's the recompute's op sequence
             # differs from the forward's ("... not found in storage"), stock or patched
-        if (self.runs_a_module_twice() and self.frontend not in REENTRANT + ("none",)
-                and not _recompute_unshards()):
-            return False  # torch before ~2.8: a module run twice before one backward finds its parameters
-            # resharded in its recompute ("mixed torch.Tensor and DTensor"), stock or patched
         if self.topology == "grouped_each" and self.frontend in REENTRANT:
             return False  # torch: FSDP runs a group's hooks for the pass of all its modules; a reentrant
             # recompute of one of them alone leaves the other's parameters sharded ("mixed torch.Tensor and
@@ -232,6 +246,11 @@ class Cell:
             # one module of the group run before its pre-backward hook, as a forward of its own, and FSDP's group
             # closure then casts that module's output (output_fp32), or its fp16 input to bf16, which it did not in
             # the group's forward: "Recomputed values ... have different metadata", stock or patched
+        if self.route == "method" and (self.frontend in ("wrapper", "composable") or self.hooks != "none"
+                                       or self.topology.startswith("grouped")):
+            return False  # a registered method runs no module hook: the checkpoints that live in the module's
+            # call and user hooks see nothing (the same cell as without them); fully_shard([a, b]) runs its
+            # group's pass in its hooks, which a method of a member bypasses
         if self.frontend == "deepspeed" and self.history == "retain_graph":
             return False  # DeepSpeed's reentrant checkpoint frees its saved inputs in the first backward
         if self.frontend.startswith("deepspeed") and not deepspeed_available():
@@ -239,9 +258,10 @@ class Cell:
         return True
 
 
-#: The named cases (issues 9 and 15), with what stock torch does in it: ``broken`` on every torch, ``buggy torch``
-#: only where torch skips FSDP's casts in the recompute (2.4-2.12), ``fine`` where stock is right and the
-#: patch must keep it so. Always part of :func:`sample`; tested by name in tests/test_regressions.py.
+#: The named cases (issues 9, 15, 37 and 38), with what stock torch does in it: ``broken`` on every torch, ``buggy
+#: torch`` only where torch skips FSDP's casts in the recompute (2.4-2.12), ``resharding torch`` only where its
+#: recompute leaves parameters resharded since the forward sharded (before 2.12), ``fine`` where stock is right
+#: and the patch must keep it so. Always part of :func:`sample`; tested by name in tests/test_regressions.py.
 NAMED: dict[str, tuple[Cell, str]] = {
     # 1. The replay is per call, not per module.
     "eval_pass_before_training_custom_checkpoint":
@@ -301,6 +321,28 @@ NAMED: dict[str, tuple[Cell, str]] = {
     "views_of_one_batch_micro_batches_reentrant_custom_checkpoint":
         (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "micro_batches", "none", "root", "module",
               "views"), "broken"),
+    # 5. Issue 37: no harm where stock is right; every route into FSDP's forward.
+    "frozen_model_eval_between_two_passes_in_one_autocast_region_no_checkpoint":
+        (Cell("none", "fp32_params", "bf16", "inside", "eval_between_passes", "none", "root", params="frozen"),
+         "fine"),
+    "eval_after_the_forward_in_its_autocast_region_custom_checkpoint":
+        (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "eval_in_region_after", "none", "root"), "broken"),
+    "frozen_model_eval_in_the_training_autocast_region_no_checkpoint":
+        (Cell("none", "fp32_params", "bf16", "inside", "eval_in_region", "none", "root", params="frozen"), "fine"),
+    "frozen_biases_eval_in_the_training_autocast_region_no_checkpoint":
+        (Cell("none", "fp32_params", "bf16", "inside", "eval_in_region", "none", "root", params="frozen_part"),
+         "broken"),
+    "registered_method_torch_checkpoint":
+        (Cell("torch", "bf16_params", "bf16", "outside", "none", "none", "root", route="method"), "buggy torch"),
+    "registered_method_custom_checkpoint":
+        (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "none", "none", "root", route="method"), "broken"),
+    # 6. Issue 38: a module run twice before one backward finds its parameters gathered in its recompute.
+    "module_run_twice_before_one_backward_composable_checkpoint":
+        (Cell("composable", "fp32_params", "off", "outside", "two_passes", "none", "nested"), "resharding torch"),
+    "module_run_twice_before_one_backward_torch_checkpoint":
+        (Cell("torch", "fp32_params", "off", "outside", "two_passes", "none", "nested"), "resharding torch"),
+    "stack_run_twice_before_one_backward_bf16_policy_torch_checkpoint":
+        (Cell("torch", "bf16_params", "bf16", "outside", "two_passes", "none", "nested"), "resharding torch"),
 }
 if deepspeed_available():
     NAMED.update({
@@ -318,17 +360,6 @@ def _supported(feature: str) -> bool:
     from scenarios import fsdp_supports
 
     return fsdp_supports(feature)
-
-
-@functools.lru_cache(maxsize=None)
-def _recompute_unshards() -> bool:
-    """Whether this torch's FSDP unshards the parameters again in a recompute (``_pre_forward`` in
-    ``PRE_BACKWARD``), which a module run twice before one backward needs."""
-    import inspect
-
-    source = inspect.getsource(inspect.unwrap(_compat.load().fsdp_state_cls._pre_forward))
-    branch = source[source.index("TrainingState.PRE_BACKWARD"):]
-    return "unshard" in branch[: branch.index("return")]
 
 
 def all_cells() -> list[Cell]:
@@ -370,7 +401,10 @@ def sample(n: int, seed: int = 0) -> list[Cell]:
 
 def invoke(module: Callable[..., torch.Tensor], x: torch.Tensor, s: torch.Tensor | None,
            signature: str) -> torch.Tensor:
-    """Call ``module`` on input ``x`` and shared tensor ``s`` the way ``signature`` says."""
+    """Call ``module`` on input ``x`` and shared tensor ``s`` the way ``signature`` says, through its ``encode``
+    where its ``route`` is a registered method."""
+    if getattr(module, "route", "forward") == "method":
+        module = module.encode  # type: ignore[union-attr]
     if signature in ("tensor", "views"):
         return module(x)
     if signature == "shared_first":
@@ -396,7 +430,17 @@ def unpack(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor,
     return (rest[0], first) if rest else (first, None)
 
 
-class Block(nn.Module):
+class _Unit(nn.Module):
+    """A grid module: ``encode`` is its ``forward`` by another name, the route ``register_fsdp_forward_method``
+    takes (``route``: how :func:`invoke` enters it)."""
+
+    route = "forward"
+
+    def encode(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.forward(*args, **kwargs)  # type: ignore[no-any-return]
+
+
+class Block(_Unit):
     """``gelu``, ``log_softmax``, a linear layer: its recompute notices a lost input cast (gelu in another
     dtype), lost autocast (log_softmax runs in fp32 under autocast, the linear layer in the low precision) and
     a lost output cast (the linear layer's output is low precision). The shared tensor, where given, is added
@@ -414,7 +458,7 @@ class Block(nn.Module):
         return self.lin(F.log_softmax(F.gelu(x), dim=-1).to(self.lin.weight.dtype))
 
 
-class Outer(nn.Module):
+class Outer(_Unit):
     """A layer holding a sharded sub-layer."""
 
     def __init__(self, signature: str = "tensor") -> None:
@@ -429,7 +473,7 @@ class Outer(nn.Module):
         return self.lin(h.to(self.lin.weight.dtype))
 
 
-class Pair(nn.Module):
+class Pair(_Unit):
     """Two blocks one after the other: ``fully_shard([pair.a, pair.b])`` makes them one group."""
 
     def __init__(self, signature: str = "tensor") -> None:
@@ -442,7 +486,7 @@ class Pair(nn.Module):
         return invoke(self.b, invoke(self.a, x, s, self.signature), s, self.signature)
 
 
-class Stack(nn.Module):
+class Stack(_Unit):
     """Runs its units in order, or through :attr:`body` (the cell's checkpointed regions) where set."""
 
     def __init__(self, units: list[nn.Module], signature: str = "tensor") -> None:
@@ -460,14 +504,24 @@ class Stack(nn.Module):
         return x
 
 
-def _build(topology: str, signature: str = "tensor") -> nn.Module:
+def _build(topology: str, signature: str = "tensor", route: str = "forward", params: str = "trainable") -> nn.Module:
+    """The model of ``topology``, every module entered by ``route``, its parameters as ``params`` says."""
     if topology == "root":
-        return Block(signature)
-    if topology in ("layers", "grouped_each"):
-        return Stack([Block(signature), Block(signature)], signature)
-    if topology == "nested":
-        return Stack([Outer(signature), Outer(signature)], signature)
-    return Stack([Pair(signature)], signature)  # grouped: fully_shard([a, b]) around the pair
+        model: nn.Module = Block(signature)
+    elif topology in ("layers", "grouped_each"):
+        model = Stack([Block(signature), Block(signature)], signature)
+    elif topology == "nested":
+        model = Stack([Outer(signature), Outer(signature)], signature)
+    else:
+        model = Stack([Pair(signature)], signature)  # grouped: fully_shard([a, b]) around the pair
+    for module in model.modules():
+        if isinstance(module, _Unit):
+            module.route = route
+        if isinstance(module, nn.Linear) and params == "frozen":
+            module.requires_grad_(False)
+        elif isinstance(module, nn.Linear) and params == "frozen_part":
+            module.bias.requires_grad_(False)
+    return model
 
 
 def _members(pair: nn.Module) -> list[nn.Module]:
@@ -734,10 +788,12 @@ def _step(cell: Cell, forward: Callable[[torch.Tensor], torch.Tensor], model: nn
             if body is not None:
                 model.body = body
 
-    def eval_forward(data: torch.Tensor | None = None, autocast: bool = False) -> None:
+    def eval_forward(data: torch.Tensor | None = None, autocast: bool = False, first: bool = True) -> None:
+        """An eval pass; ``autocast``: under the region's state; ``first``: before any training pass of the region
+        (else its casts are those the training pass cached, with autograd history, which plain PyTorch reuses)."""
         with torch.no_grad(), contextlib.nullcontext() if autocast else torch.autocast("cpu", enabled=False):
             plain(x_eval if data is None else data)
-        if reference and autocast:
+        if reference and autocast and first:
             torch.clear_autocast_cache()
 
     def backward(out: torch.Tensor, fresh_region: bool = True, **kwargs: Any) -> None:
@@ -773,10 +829,14 @@ def _step(cell: Cell, forward: Callable[[torch.Tensor], torch.Tensor], model: nn
         if history == "eval_in_region":
             eval_forward(autocast=True)
         out = forward(x)
-        if history in ("same_region", "two_passes"):
+        if history == "eval_between_passes":
+            eval_forward(autocast=True, first=False)
+        if history in ("same_region", "two_passes", "eval_between_passes"):
             out2 = forward(x2)
-        if history == "two_passes":  # two forward passes in one region, one backward (two views of a batch)
+        if history in ("two_passes", "eval_between_passes"):  # two forward passes in one region, one backward
             out = out.float() + out2.float()
+        if history == "eval_in_region_after":
+            eval_forward(autocast=True, first=False)
         if inside:
             if history == "eval_between":
                 eval_forward()
@@ -862,7 +922,8 @@ def run(cell: Cell, mode: str, *, cache: bool = True, sharding: str = "fsdp2", s
     ``preserve``: the front end through ``preserve_autocast`` (by default in the patched modes where the cell
     needs it)."""
     torch.manual_seed(seed)
-    model = _build(cell.topology, cell.signature)
+    # The route is FSDP2's (a registered method); the references enter the same computation through forward.
+    model = _build(cell.topology, cell.signature, cell.route if sharding == "fsdp2" else "forward", cell.params)
     weight = torch.randn(DIM, DIM, generator=torch.Generator().manual_seed(seed + 7)) / DIM
     inputs, compared, shared = _inputs(seed, cell.signature)
     policy_cls = _compat.fsdp_package().MixedPrecisionPolicy
@@ -874,6 +935,9 @@ def run(cell: Cell, mode: str, *, cache: bool = True, sharding: str = "fsdp2", s
         outer = model
         if sharding == "fsdp2":
             sharded = _shard(model, cell.topology, fully_shard, policy_cls(**_policy(cell.precision)))
+            if cell.route == "method":
+                for module in sharded:
+                    _compat.fsdp_package().register_fsdp_forward_method(module, "encode")
         else:
             sharded = _hookable(model, cell.topology)
             if sharding == "fsdp1":

@@ -69,8 +69,10 @@ def markdown(reports: list[dict[str, Any]]) -> str:
             count: Counter[str] = Counter()
             stock: Counter[str] = Counter()
             patched: Counter[str] = Counter()
+            default = G.Cell.__dataclass_fields__[dimension].default  # for a cell named before the dimension
             for r in rows:
-                value = r["cell"].split("-")[index]
+                parts = r["cell"].split("-")
+                value = parts[index] if index < len(parts) else default
                 count[value] += 1
                 stock[value] += r["stock"] != "bitwise"
                 patched[value] += _fixed(r)

@@ -173,3 +173,14 @@ def test_scaling_instructions_smoke(tmp_path) -> None:
         assert r["ratio"] == r["patched_instructions"] / r["stock_instructions"]  # one round: its own ratio
         if r["base"] == [r["layers"], r["micro_batches"], r["evals_alive"]]:
             assert r["growth"] == 1.0
+
+
+def test_memory_smoke(tmp_path) -> None:
+    """The peak-memory benchmark writes a row per configuration with its three peaks and ratios."""
+    out = tmp_path / "memory.json"
+    _run("memory.py", "--layers", "2", "--checkpoints", "torch", "fn_disable", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["checkpoint"], r["params"], r["layers"]) for r in rows] == [
+        ("torch", "fp32", 2), ("torch", "bf16", 2), ("fn_disable", "fp32", 2), ("fn_disable", "bf16", 2)]
+    for r in rows:
+        assert r["patched_peak"] > 0 and r["exact_peak"] > 0 and r["grads_equal_exact"], r

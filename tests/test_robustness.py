@@ -263,8 +263,10 @@ def test_every_hold_a_backward_entered_ends_with_it() -> None:
     releases the last hold (one end-of-backward release per backward and thread), so that autocast's nesting
     count, state and cache flag are as before once the backward returns, before any other forward; the gradients
     are those of the run without checkpointing. Positive control: with the release not queued, the hold outlives
-    the backward (the count stays up)."""
-    def run(checkpointed: bool, release: bool = True) -> tuple[list[Any], S.Result]:
+    the backward (the count stays up), where the recompute's own backward does not end it first (it does: a
+    backward reaching a replayed call's output ends its region's hold)."""
+    def run(checkpointed: bool, release: bool = True, end_when_backwarded: bool = True) -> tuple[list[Any],
+                                                                                                 S.Result]:
         torch.manual_seed(0)
         fully_shard, policy_cls = S._fsdp()
         fsdp_autocast_fix.apply()
@@ -284,6 +286,8 @@ def test_every_hold_a_backward_entered_ends_with_it() -> None:
         internals = dataclasses.replace(real, queue_backward_callback=queue)
         with pytest.MonkeyPatch.context() as monkeypatch:
             monkeypatch.setattr(_compat, "load", lambda: internals)
+            if not end_when_backwarded:
+                monkeypatch.setattr(_replay, "_end_when_backwarded", lambda output, entered: None)
             for _ in range(2):
                 queued[0] = 0
                 with torch.autocast("cpu", dtype=S.BF16):
@@ -301,7 +305,9 @@ def test_every_hold_a_backward_entered_ends_with_it() -> None:
     after, patched = run(True)
     assert after == [(0, 0, True, False, True, 1)] * 2  # three holds, one release queued per backward
     assert patched.same_as(reference)
-    unreleased, _ = run(True, release=False)
+    ended_by_the_recompute, _ = run(True, release=False)
+    assert ended_by_the_recompute[0][:2] == (0, 0)  # the holds (the region itself ends at the next one)
+    unreleased, _ = run(True, release=False, end_when_backwarded=False)
     assert unreleased[0][:3] == (1, 1, False)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 import re
+import types
 
 import pytest
 import torch
@@ -122,7 +123,8 @@ def test_the_replays_forward_hook_entry_calls_fsdps_post_forward_bare_and_gives_
     state = internals.state_of(layer)
     placement = _patch._covers[id(state)].modules[0].placement
     fsdp_post = placement.fsdp_post
-    assert fsdp_post == state._post_forward and placement.slots.post_entry.get() is fsdp_post
+    assert fsdp_post == types.MethodType(type(state)._post_forward, state)  # FSDP's, not the state's attribute
+    assert placement.slots.post_entry.get() is fsdp_post
     wrapped = getattr(internals.fsdp_state_cls._post_forward, "__wrapped__", None)
     if wrapped is None:  # a torch whose FSDP does not wrap its hooks: nothing to bypass
         assert placement.fsdp_post_call == fsdp_post
