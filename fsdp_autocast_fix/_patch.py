@@ -110,13 +110,12 @@ class _Module:
         """In the place of FSDP's pre-forward for a method registered with ``register_fsdp_forward_method`` (it
         calls the state's ``_pre_forward`` itself, no hook runs): record or replay, then FSDP's pre-forward; a
         replay started here is undone by :meth:`method_exit` in the same method call (``caller``, its frame)."""
-        replays = self.replayer.replays
-        started = len(replays)
         self.begin(module, args, kwargs, caller)
         result = self.cover.fsdp_pre_forward(module, args, kwargs)
         if self.state._training_state is self.pre_backward and self.cover.gathers:
             self.replayer.gather()
-        if len(replays) > started and replays[-1].pre_pending:
+        replays = self.replayer.replays  # the replay this call started, if any, is the one it is the caller of
+        if replays and replays[-1].caller is caller and replays[-1].pre_pending:
             return self.replayer.pre_casts(args, kwargs, result)
         return result
 
