@@ -89,7 +89,8 @@ def test_the_gather_holds_for_every_reshard_after_forward(reshard: Any) -> None:
 
 
 def test_the_gather_holds_with_explicit_backward_prefetch() -> None:
-    _check("torch", prefetch=True)
+    """Explicit prefetch where this torch has it (``set_modules_to_backward_prefetch``, 2.5+), else FSDP's own."""
+    _check("torch", prefetch=hasattr(_compat.fsdp_package().FSDPModule, "set_modules_to_backward_prefetch"))
 
 
 def test_the_gather_holds_with_a_bf16_policy_under_autocast() -> None:
