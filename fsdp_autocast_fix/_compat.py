@@ -71,7 +71,7 @@ class Internals:
     queue_backward_callback: Callable[[Callable[[], None]], None]  # run a callable when this backward ends
     needs_cast_replay: bool
     #: Whether this torch's recompute skips gathering parameters that were resharded since the forward (a module
-    #: run twice before one backward, or a child resharded by its own post-backward): before torch 2.12.
+    #: run twice before one backward, or a child resharded by its own post-backward): before torch 2.11.
     needs_param_gather: bool
     #: The code of the wrapper FSDP puts around its hooks to keep torch.compile out of them, which makes a new
     #: ``torch._dynamo.disable`` object on every call (``_dynamo_disable``; ``disable_if_config_true`` in 2.4-2.7).
@@ -188,7 +188,7 @@ class _GroupProbe:
 
 def _probe_param_gather(state_cls: type, pre_backward: Any, mp_policy_cls: type) -> bool:
     """Run torch's own recompute branch on a bare state holding a parameter group that is not gathered; True if it
-    leaves it so (pytorch issues 153354, 187437: "mixed torch.Tensor and DTensor"; gathered from torch 2.12)."""
+    leaves it so (pytorch issues 153354, 187437: "mixed torch.Tensor and DTensor"; gathered from torch 2.11)."""
     state = state_cls()
     state._training_state = pre_backward
     state._mp_policy = mp_policy_cls()  # no casts (2.13+ casts in this branch)
@@ -216,7 +216,7 @@ def _param_group_cls() -> type:
 
 
 def gather_parameters(state: Any) -> bool:
-    """Gather (unshard, and wait for) the state's parameter groups that are not gathered, as torch 2.12's
+    """Gather (unshard, and wait for) the state's parameter groups that are not gathered, as torch 2.11+'s
     recompute does; True if one was not."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:

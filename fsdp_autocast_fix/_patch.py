@@ -195,7 +195,7 @@ class _Cover:
         self.owner = owner
         self.pre_backward = _internals().pre_backward
         self.torch_skips_casts = _internals().needs_cast_replay  # this torch's recompute skips FSDP's casts
-        #: Whether the patch gathers resharded parameters in the recompute, in FSDP's place (torch before 2.12).
+        #: Whether the patch gathers resharded parameters in the recompute, in FSDP's place (torch before 2.11).
         self.gathers = _internals().needs_param_gather
         device_type = state._device.type
         self.device_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)

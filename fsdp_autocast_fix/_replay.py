@@ -8,7 +8,7 @@ checkpoints recompute) of a covered module is replayed by its :class:`Replayer`:
   Modules called inside it re-run as in the forward and need nothing. The next sharded calls of the same region
   (the same graph task and backward node) follow the region's first call while the region's own code leaves
   autocast as it was (:class:`Region`).
-* In ``PRE_BACKWARD`` FSDP skips its root input move, in torch 2.4-2.12 its casts, and before torch 2.12 the
+* In ``PRE_BACKWARD`` FSDP skips its root input move, in torch 2.4-2.12 its casts, and before torch 2.11 the
   gather of parameters resharded since the forward (:meth:`Replayer.gather`): the replay does what the call's
   forward did, right after FSDP's pre-hook (:meth:`Replayer.pre_casts`) and, for the output, in FSDP's
   forward-hook entry (:meth:`Replayer.post_forward`), so user hooks before and after FSDP's see what they saw in
@@ -402,7 +402,7 @@ class Replayer:
     def gather(self) -> None:
         """In ``PRE_BACKWARD``, right after FSDP's pre-forward: gather the state's parameters that were resharded
         since the forward (a module run twice before one backward, whose first post-backward resharded them), as
-        torch 2.12's recompute does; this torch's returns early and leaves them sharded."""
+        torch 2.11+'s recompute does; this torch's returns early and leaves them sharded."""
         if _compat.gather_parameters(self.cover.state):
             _report.count(self.name, "param_gathers")
 

@@ -73,7 +73,7 @@ class Report(ModuleReport):
         output_casts: FSDP ``output_dtype`` casts it replayed likewise.
         root_moves: FSDP root input moves to the device it replayed (no torch release replays them).
         param_gathers: recomputes in which it gathered parameters resharded since the forward, which torch
-            before 2.12 leaves sharded ("mixed torch.Tensor and DTensor", pytorch issues 153354 and 187437).
+            before 2.11 leaves sharded ("mixed torch.Tensor and DTensor", pytorch issues 153354 and 187437).
         cache_drops: times it dropped autocast's cached casts before a grad-enabled call because a call under
             ``no_grad`` with the cache on ran since (pytorch issue 158232): where that call's autocast region was
             still open, its casts would have cost the parameter gradients; where the region had ended (backward

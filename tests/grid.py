@@ -260,7 +260,7 @@ class Cell:
 
 #: The named cases (issues 9, 15, 37 and 38), with what stock torch does in it: ``broken`` on every torch, ``buggy
 #: torch`` only where torch skips FSDP's casts in the recompute (2.4-2.12), ``resharding torch`` only where its
-#: recompute leaves parameters resharded since the forward sharded (before 2.12), ``fine`` where stock is right
+#: recompute leaves parameters resharded since the forward sharded (before 2.11), ``fine`` where stock is right
 #: and the patch must keep it so. Always part of :func:`sample`; tested by name in tests/test_regressions.py.
 NAMED: dict[str, tuple[Cell, str]] = {
     # 1. The replay is per call, not per module.

@@ -2,7 +2,7 @@
 
 The cases are cells of the generated space (tests/grid.py) with what stock torch must do in them stated
 here: ``"broken"`` on every torch, ``"buggy torch"`` only where torch skips FSDP's casts in the recompute
-(2.4-2.12), ``"resharding torch"`` only where its recompute leaves resharded parameters sharded (before 2.12),
+(2.4-2.12), ``"resharding torch"`` only where its recompute leaves resharded parameters sharded (before 2.11),
 ``"fine"`` where stock is right and the patch must not change it. The checkpoint inside a
 sharded module's forward (family 4) needs :func:`fsdp_autocast_fix.preserve_autocast` and is tested at the
 end, also with DeepSpeed's checkpoints where DeepSpeed is installed.

@@ -1,10 +1,10 @@
-"""Issue 38: a recompute finds its parameters gathered as its forward did, on torch before 2.12 too.
+"""Issue 38: a recompute finds its parameters gathered as its forward did, on torch before 2.11 too.
 
 A checkpointed parent holding a child sharded on its own, called twice before one backward (DPO's chosen and
 rejected forwards; a module applied twice, pytorch issue 187437): the second call's backward runs the child's
-post-backward, which reshards it, before the first call's recompute. torch before 2.12 returns early from
+post-backward, which reshards it, before the first call's recompute. torch before 2.11 returns early from
 ``FSDPState._pre_forward`` in that recompute and leaves the child sharded ("mixed torch.Tensor and DTensor",
-pytorch issue 153354); torch 2.12 gathers it, and the patch does the same where torch does not
+pytorch issue 153354); torch 2.11 and later gather it, and the patch does the same where torch does not
 (``Internals.needs_param_gather``, probed on torch's own code). The named cells of the generated space are in
 tests/grid.py (``NAMED``, "resharding torch"); here the same shape across FSDP's knobs.
 """
