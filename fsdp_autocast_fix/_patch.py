@@ -98,7 +98,7 @@ class _Module:
         if placement.lead is None:
             self.begin(module, args, kwargs)
         result = placement.fsdp_call(module, args, kwargs)
-        if self.state._training_state is self.pre_backward and self.cover.gathers:
+        if self.cover.gathers and self.state._training_state is self.pre_backward:
             self.replayer.gather()  # this torch's recompute leaves resharded parameters so
         replays = self.replayer.replays
         if replays and replays[-1].pre_pending:
@@ -112,7 +112,7 @@ class _Module:
         replay started here is undone by :meth:`method_exit` in the same method call (``caller``, its frame)."""
         self.begin(module, args, kwargs, caller)
         result = self.cover.fsdp_pre_forward(module, args, kwargs)
-        if self.state._training_state is self.pre_backward and self.cover.gathers:
+        if self.cover.gathers and self.state._training_state is self.pre_backward:
             self.replayer.gather()
         replays = self.replayer.replays  # the replay this call started, if any, is the one it is the caller of
         if replays and replays[-1].caller is caller and replays[-1].pre_pending:
