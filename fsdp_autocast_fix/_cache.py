@@ -1,27 +1,27 @@
-"""When autocast's cached casts are dropped (pytorch issue 158232).
+"""When autocast's cached casts are kept out, or dropped (pytorch issue 158232).
 
 Autocast caches the low-precision cast of each parameter it casts until its outermost region ends, and FSDP2
 runs every forward on the same unsharded parameter tensors. A cast cached by one pass and reused by a later
 pass whose backward runs on its own loses that pass's parameter gradients: before torch 2.12 a cast made under
 ``no_grad`` has no autograd history at all, and in any torch the reused cast's backward node is older than
 FSDP's post-backward hook of the pass that reuses it, so its gradient reaches the parameter after FSDP has
-reduced the gradients. Two kinds of pass make such casts, and the patch sees both:
+reduced the gradients. Autocast caches a cast only of a float32 leaf that requires grad, so only such
+parameters are at stake (:func:`caches_parameters` for the policy's dtype, :func:`trainable_casts` for
+``requires_grad`` at the call). Two kinds of pass make such casts, and the patch sees both:
 
-* a covered module's call under ``no_grad`` (an eval pass, a reentrant checkpoint's forward): its casts are
-  a hazard for that module's later grad-enabled calls;
+* a covered module's call under ``no_grad`` (an eval pass, a reentrant checkpoint's forward) is **shielded**
+  (:func:`shield`): its gathered parameters carry torch's own mark for tensors whose casts autocast must neither
+  read from nor write to its cache, so it caches nothing, and casts a grad-enabled pass cached before it stay
+  there for the passes after it, exactly as without the eval;
 * a covered module's recompute in one backward (graph task): its casts are a hazard for the module's calls
   outside that backward (a second backward with ``retain_graph``, the next forward in the same region), unless
   they are dropped before this thread runs anything outside it: a recompute run by ``torch.utils.checkpoint``
   (either mode) inside its own autocast regions and no other (autocast's nesting count is theirs alone) loses
   its casts when the checkpoint leaves them, so nothing is noted there (:func:`_dies_with_region`), unless the
   end of that backward finds the nesting count above zero on the thread (a region the recompute left open):
-  then they are noted (:func:`_verify`).
-
-Autocast caches a cast only of a float32 leaf that requires grad, so only such parameters can make a hazard
-(:func:`caches_parameters` for the policy's dtype, :func:`trainable_casts` for ``requires_grad`` at the call):
-a ``no_grad`` call of a state of frozen or bf16 parameters makes none. (One of trainable parameters after a
-grad-enabled call of the same state in the same cache lifetime may reuse casts with autograd history and make
-none either; but which parameters a call casts is not known, so it is noted.)
+  then they are noted (:func:`_verify`). A function checkpointed through
+  :func:`fsdp_autocast_fix.preserve_autocast` whose forward runs under ``no_grad`` notes a hazard for every
+  state (its casts may be of parameters no covered call gathers).
 
 Invariant: the patch drops the cache before a grad-enabled call of a covered module under autocast (ordinary or
 recomputed, or a function checkpointed through :func:`fsdp_autocast_fix.preserve_autocast`) exactly when such
@@ -130,19 +130,96 @@ def trainable_casts(param_dtype: Any, parameters: list[torch.Tensor] | None) -> 
 def before_call(state: Any, task: int, grad: bool, device_types: tuple[str, ...], owner: str,
                 trainable: Any) -> None:
     """The cast-cache decision for a covered call of ``state`` under autocast with the cache on (see the module
-    docstring): in graph task ``task`` (-1 outside backward), with grad enabled or not; ``trainable()`` tells
-    whether the state has parameters autocast caches now (:func:`trainable_casts`), asked only where it matters.
+    docstring), before FSDP's pre-forward: in graph task ``task`` (-1 outside backward), with grad enabled or
+    not; ``trainable()`` tells whether the state has parameters autocast caches now (:func:`trainable_casts`),
+    asked only where it matters.
 
-    A ``no_grad`` call notes a hazard for its state (as a ``no_grad`` call, also inside a recompute); a
-    grad-enabled call first drops the cache where a hazard applies, then, in a recompute, notes its casts."""
+    A ``no_grad`` call is shielded after FSDP's pre-forward (:func:`shield`; where this torch's autocast does not
+    honour the marks, it notes a hazard instead); a grad-enabled call first takes its state's shield off, drops
+    the cache where a hazard applies, then, in a recompute, notes its casts."""
     if not grad:
-        if trainable():
+        if _compat.load().cache_marks is None and trainable():
             note(state, -1, device_types)
         return
+    if _shielded:
+        unshield(state)
     if active[0]:
         check(state, task, owner)
     if task != -1 and trainable():
         note(state, task, device_types)
+
+
+# -- the shield: a no_grad call's casts stay out of the cache -----------------------------------------
+
+
+class _Marks:
+    """The marks :func:`shield` put on one FSDP state's gathered parameters: weak references to them, and to the
+    state's cover (``owner``: its key, an ``id``, may be another cover's once it is freed)."""
+
+    __slots__ = ("owner", "parameters")
+
+    def __init__(self, owner: Any, parameters: list[torch.Tensor]) -> None:
+        self.owner = weakref.ref(owner)
+        self.parameters = [weakref.ref(p) for p in parameters]
+
+
+#: FSDP state key -> the marks on its gathered parameters (see :func:`shield`).
+_shielded: dict[Any, _Marks] = {}
+#: Whether the patch turned torch's process-wide flag for the marks on (it turns it off with its last mark).
+_flag_raised = False
+
+
+def shield(state: Any, owner: Any, parameters: list[torch.Tensor]) -> None:
+    """A covered call of ``state`` (``owner``: its cover) under ``no_grad``, autocast on with the cache, right
+    after FSDP's pre-forward gathered ``parameters``: mark those autocast would cache (float32 leaves that
+    require grad) with torch's own mark for tensors whose casts must not be cached
+    (:class:`~._compat.CacheMarks`), so that the call neither caches a cast without grad (which a later
+    grad-enabled call would reuse, cut off from the parameter, or backward after FSDP's post-backward hook) nor
+    reads one (it makes its own, as plain autocast would where nothing was cached). Casts a grad-enabled pass
+    cached stay in the cache untouched, for the passes after.
+
+    Invariant: a state's parameters are marked from its ``no_grad`` call to its next covered grad-enabled call
+    under autocast with the cache on, which takes the marks off before it casts anything (:func:`unshield`), or
+    to the patch's removal, and never otherwise; torch's flag is on while a mark of the patch's is, and as it
+    was before after the last."""
+    global _flag_raised
+    marked = _shielded.get(state)
+    if marked is not None:
+        if marked.owner() is owner:
+            return
+        unshield(state)  # a freed cover's, whose id this one has now
+    marks = _compat.load().cache_marks
+    chosen = [p for p in parameters if p.requires_grad and p.dtype == torch.float32 and p.is_leaf]
+    if marks is None or not chosen:
+        return
+    if not marks.flag_on():
+        marks.enable(True)
+        _flag_raised = True
+    mine = [p for p in chosen if not marks.marked(p)]
+    for parameter in mine:
+        marks.add(parameter)
+    _shielded[state] = _Marks(owner, mine)
+
+
+def unshield(state: Any) -> None:
+    """Take the marks :func:`shield` put on ``state``'s parameters off (a parameter freed since left its mark on
+    an object torch keeps only weakly, at no address a new tensor can take)."""
+    global _flag_raised
+    marked = _shielded.pop(state, None)
+    if marked is None:
+        return
+    marks = _compat.load().cache_marks
+    assert marks is not None
+    if not marks.flag_on():  # turned off by someone else since: removing a mark needs it on
+        marks.enable(True)
+        _flag_raised = True
+    for ref in marked.parameters:
+        parameter = ref()
+        if parameter is not None:
+            marks.remove(parameter)
+    if _flag_raised and not _shielded:
+        marks.enable(False)
+        _flag_raised = False
 
 
 def _alive(hazards: _Hazards) -> Any:
@@ -157,7 +234,8 @@ def _alive(hazards: _Hazards) -> Any:
 
 def note(state: Any, task: int, device_types: tuple[str, ...], shortcut: bool = True) -> None:
     """A covered call of ``state`` under autocast with the cache on made casts that are a hazard: under
-    ``no_grad`` (``task`` -1), or in the recompute of graph task ``task`` (``shortcut``: unless they die with
+    ``no_grad`` (``task`` -1: a function checkpointed through ``preserve_autocast``, or a call where the shield is
+    not available), or in the recompute of graph task ``task`` (``shortcut``: unless they die with
     the checkpoint's regions)."""
     hazards = _hazards()
     by_state = hazards.by_state

@@ -26,9 +26,9 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["HookSlots", "Internals", "Slot", "UnsupportedTorchError", "gather_parameters", "group_casts",
-           "hook_slots", "in_torch_recompute", "load", "sharded_parameters", "torch_recompute_regions",
-           "user_class_name"]
+__all__ = ["CacheMarks", "HookSlots", "Internals", "Slot", "UnsupportedTorchError", "gather_parameters",
+           "group_casts", "hook_slots", "in_torch_recompute", "load", "sharded_parameters", "torch_recompute_regions",
+           "unsharded_parameters", "user_class_name"]
 
 #: Import paths of composable FSDP, newest first (2.6+ public path, then 2.4/2.5).
 _FSDP_PACKAGES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
@@ -73,6 +73,8 @@ class Internals:
     #: Whether this torch's recompute skips gathering parameters that were resharded since the forward (a module
     #: run twice before one backward, or a child resharded by its own post-backward): before torch 2.11.
     needs_param_gather: bool
+    #: torch's marks that keep a tensor out of autocast's cast cache, or None where autocast does not honour them.
+    cache_marks: CacheMarks | None
     #: The code of the wrapper FSDP puts around its hooks to keep torch.compile out of them, which makes a new
     #: ``torch._dynamo.disable`` object on every call (``_dynamo_disable``; ``disable_if_config_true`` in 2.4-2.7).
     fsdp_hook_wrappers: frozenset[types.CodeType]
@@ -125,6 +127,76 @@ def sharded_parameters(state: Any) -> list[torch.Tensor] | None:
         return [fsdp_param.sharded_param for group in groups for fsdp_param in group.fsdp_params]
     except AttributeError:
         return None
+
+
+def unsharded_parameters(state: Any) -> list[torch.Tensor]:
+    """The parameters an FSDP state's modules hold during its forward (``unsharded_param`` of each ``FSDPParam``:
+    one tensor per parameter from its first all-gather on, its storage freed and refilled); none before that."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    found = []
+    for group in groups:
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            try:
+                found.append(fsdp_param.unsharded_param)
+            except AttributeError:  # not gathered yet
+                pass
+    return found
+
+
+class CacheMarks:
+    """torch's marks for tensors whose casts autocast must neither read from nor write to its cache
+    (``at::caching``, made for CUDA graph trees' static outputs). They count only while a process-wide flag is on,
+    which torch gives no getter for: a tensor of the patch's own, marked once, tells (``flag_on``)."""
+
+    __slots__ = ("add", "remove", "marked", "enable", "witness")
+
+    def __init__(self) -> None:
+        self.add: Callable[[torch.Tensor], None] = torch._C._add_cached_tensor
+        self.remove: Callable[[torch.Tensor], None] = torch._C._remove_cached_tensor
+        self.marked: Callable[[torch.Tensor], bool] = torch._C._is_cached_tensor
+        self.enable: Callable[[bool], None] = torch._C._set_cached_tensors_enabled
+        self.witness = torch.empty(0)
+        try:
+            self.add(self.witness)  # raises while the flag is off
+        except RuntimeError:
+            self.enable(True)
+            self.add(self.witness)
+            self.enable(False)
+
+    def flag_on(self) -> bool:
+        return self.marked(self.witness)
+
+
+def _probe_cache_marks() -> CacheMarks | None:
+    """This torch's cache marks, if autocast honours them: one region casts a parameter-like tensor three times,
+    the third time marked; the second cast must be the first's (cached) and the third a new one."""
+    try:
+        marks = CacheMarks()
+    except (AttributeError, RuntimeError):
+        return None
+    w = torch.zeros(1, 1, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    raised = not marks.flag_on()
+    try:
+        if raised:
+            marks.enable(True)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.append, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                torch.mm(w, w)
+                torch.mm(w, w)
+                marks.add(w)
+                torch.mm(w, w)
+                marks.remove(w)
+    except Exception:  # a build whose CPU autocast does not cast mm, say: the marks are not known to work
+        return None
+    finally:
+        if raised:
+            marks.enable(False)
+    honoured = len(saved) == 6 and saved[0] is saved[2] and saved[4] is not saved[0]
+    return marks if honoured else None
 
 
 def _import_first(names: tuple[str, ...], what: str) -> Any:
@@ -299,6 +371,7 @@ def load() -> Internals:
                                       "Variable._execution_engine.queue_callback"),
         needs_cast_replay=_probe_cast_replay(state_cls, pre_backward, mp_policy_cls),
         needs_param_gather=_probe_param_gather(state_cls, pre_backward, mp_policy_cls),
+        cache_marks=_probe_cache_marks(),
         fsdp_hook_wrappers=_hook_wrappers(state_module),
     )
 

@@ -41,6 +41,7 @@ _any_autocast_enabled = torch._C._is_any_autocast_enabled
 _graph_task_id = torch._C._current_graph_task_id
 _is_inference_mode_enabled = torch.is_inference_mode_enabled
 _is_grad_enabled = torch.is_grad_enabled
+_is_autocast_cache_enabled = torch.is_autocast_cache_enabled
 _sequence_nr = torch._C._autograd._get_sequence_nr
 _capture_enabled = _autocast.capture_enabled
 _leaves = _calls.leaves
@@ -98,6 +99,8 @@ class _Module:
         if placement.lead is None:
             self.begin(module, args, kwargs)
         result = placement.fsdp_call(module, args, kwargs)
+        if self.cached and not _is_grad_enabled():
+            self.shield()
         if self.cover.gathers and self.state._training_state is self.pre_backward:
             self.replayer.gather()  # this torch's recompute leaves resharded parameters so
         replays = self.replayer.replays
@@ -112,6 +115,8 @@ class _Module:
         replay started here is undone by :meth:`method_exit` in the same method call (``caller``, its frame)."""
         self.begin(module, args, kwargs, caller)
         result = self.cover.fsdp_pre_forward(module, args, kwargs)
+        if self.cached and not _is_grad_enabled():
+            self.shield()
         if self.cover.gathers and self.state._training_state is self.pre_backward:
             self.replayer.gather()
         replays = self.replayer.replays  # the replay this call started, if any, is the one it is the caller of
@@ -127,6 +132,12 @@ class _Module:
         if replays and replays[-1].caller is caller:
             return self.replayer.method_exit(replays[-1], output)
         return output
+
+    def shield(self) -> None:
+        """A ``no_grad`` call, after FSDP's pre-forward gathered the parameters: under autocast with the cache on,
+        keep their casts out of the cache (see :func:`._cache.shield`)."""
+        if _any_autocast_enabled() and _is_autocast_cache_enabled():
+            _cache.shield(self.cover_key, self.cover, _compat.unsharded_parameters(self.state))
 
     def begin(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
               caller: types.FrameType | None = None) -> None:
@@ -237,6 +248,7 @@ class _Cover:
         """Take the patch off every module of the state; FSDP's hooks and pre- and post-forward are as they were."""
         for module_cover in self.modules:
             module_cover.remove()
+        _cache.unshield(id(self))
         attributes = vars(self.state)
         for name, ours in zip(("_pre_forward", "_post_forward"), self.method_hooks):
             if attributes.get(name) is ours:
@@ -360,6 +372,9 @@ def apply(*, force: bool = False) -> bool:
         logger.info("fsdp_autocast_fix applied (torch %s): this torch already casts in the recompute, so "
                     "the cast replay is left to torch (force=True to replay it anyway); autocast replay "
                     "active; %d already-sharded modules retrofitted", _compat.torch_version(), retrofitted)
+    if internals.cache_marks is None:
+        logger.warning("fsdp_autocast_fix: this torch's autocast does not honour its cache marks, so a no_grad call "
+                       "of fp32 parameters under autocast drops the cast cache before their next training call")
     return True
 
 

@@ -190,11 +190,6 @@ class Cell:
             # the cast cache's casts of its parameters; backwarded separately, the second backward's gradients
             # through them arrive after FSDP's post-backward hook and are lost. Whether the passes will be
             # backwarded together (then sharing is exact: see "two_passes") is not known at the second forward.
-        if (self.history == "eval_between_passes" and self.precision == "fp32_params" and self.cache()
-                and self.params != "frozen"):
-            return False  # documented (README, "dropping autocast's cache is all or nothing"): the eval's no_grad
-            # call of trainable fp32 parameters notes a hazard, so the second pass casts anew where stock reuses the
-            # first pass's casts (which have autograd history): other bits in the last place
         if self.precision == "no_input_cast" and self.autocast == "off":
             return False  # fp32 inputs into bf16 parameters: fails without any checkpoint
         if self.frontend == "selective" and self.casts_parameters() and self.cache() and (
@@ -325,6 +320,10 @@ NAMED: dict[str, tuple[Cell, str]] = {
     "frozen_model_eval_between_two_passes_in_one_autocast_region_no_checkpoint":
         (Cell("none", "fp32_params", "bf16", "inside", "eval_between_passes", "none", "root", params="frozen"),
          "fine"),
+    "trainable_model_eval_between_two_passes_in_one_autocast_region_no_checkpoint":
+        (Cell("none", "fp32_params", "bf16", "inside", "eval_between_passes", "none", "root"), "fine"),
+    "trainable_model_eval_between_two_passes_in_one_autocast_region_torch_checkpoint":
+        (Cell("torch", "fp32_params", "bf16", "inside", "eval_between_passes", "none", "layers"), "fine"),
     "eval_after_the_forward_in_its_autocast_region_custom_checkpoint":
         (Cell("fn_no_restore", "fp32_params", "bf16", "outside", "eval_in_region_after", "none", "root"), "broken"),
     "frozen_model_eval_in_the_training_autocast_region_no_checkpoint":

@@ -9,6 +9,7 @@ every patched mode must give the gradients of the run without checkpointing, bit
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -48,7 +49,9 @@ def _passes(mode: str, history: str, shard: bool = True) -> G.Result:
     * ``frozen_between``: ``m``, ``f`` under ``no_grad`` (a critic on the real batch), ``f`` on ``m``'s output,
       ``m`` again (a GAN's or a distillation step's shape);
     * ``eval_before``: ``m`` under ``no_grad`` first, then ``m`` twice: the eval's casts are cached without
-      grad, a real hazard (stock loses the gradients).
+      grad, a real hazard (stock loses the gradients);
+    * ``eval_between``: ``m``, ``m`` under ``no_grad``, ``m``: the first pass cached its casts with grad, the
+      eval and the last pass reuse them (stock is right).
 
     ``shard=False``: the ground truth, the unsharded model, where the eval's casts are dropped after it as plain
     PyTorch must not reuse them either (before torch 2.12 they have no autograd history at all).
@@ -72,6 +75,9 @@ def _passes(mode: str, history: str, shard: bool = True) -> G.Result:
                     if not shard:
                         torch.clear_autocast_cache()
                 a = m(x1)
+                if history == "eval_between":
+                    with torch.no_grad():
+                        m(real)
                 if history == "frozen_between":
                     with torch.no_grad():
                         f(real)
@@ -83,15 +89,16 @@ def _passes(mode: str, history: str, shard: bool = True) -> G.Result:
     return _grads(x1, x2, modules=(m,))
 
 
-def test_a_no_grad_pass_of_frozen_parameters_keeps_stocks_bits() -> None:
-    """Stock is right: autocast never caches a frozen parameter's cast. The patch drops nothing: the very same
-    bits (it used to drop the whole cache, so the second pass cast the weights anew: other bits in the last
-    place)."""
-    truth = _passes("stock", "frozen_between", shard=False)
-    stock = _passes("stock", "frozen_between")
+@pytest.mark.parametrize("history", ["frozen_between", "eval_between"])
+def test_a_no_grad_pass_between_training_passes_keeps_stocks_bits(history: str) -> None:
+    """Stock is right: autocast never caches a frozen parameter's cast, and a trainable one's was cached with grad
+    by the first pass. The patch drops nothing and the eval reads nothing from the cache: the very same bits as
+    stock (a drop would make the last pass cast the weights anew: other bits in the last place)."""
+    truth = _passes("stock", history, shard=False)
+    stock = _passes("stock", history)
     assert stock.verdict(truth) == "bitwise"
     for mode in G.PATCHED_MODES:
-        assert _passes(mode, "frozen_between").same_as(stock), mode
+        assert _passes(mode, history).same_as(stock), mode
 
 
 class _TwoTowers(nn.Module):
@@ -141,6 +148,51 @@ def test_a_no_grad_pass_that_casts_first_is_still_a_hazard() -> None:
     assert _passes("stock", "eval_before").verdict(truth) != "bitwise"  # positive control
     for mode in G.PATCHED_MODES:
         assert _passes(mode, "eval_before").verdict(truth) == "bitwise", mode
+
+
+def test_where_autocast_ignores_the_marks_a_no_grad_call_drops_the_cache_instead(monkeypatch: Any) -> None:
+    """A torch whose autocast would not honour the marks (the probe says so) falls back to noting a hazard at the
+    ``no_grad`` call and dropping the cache before the next grad-enabled one: still exact where stock is wrong."""
+    unmarked = dataclasses.replace(_compat.load(), cache_marks=None)
+    monkeypatch.setattr(_compat, "load", lambda: unmarked)
+    truth = _passes("stock", "eval_before", shard=False)
+    assert _passes("stock", "eval_before").verdict(truth) != "bitwise"  # positive control
+    for mode in G.PATCHED_MODES:
+        assert _passes(mode, "eval_before").verdict(truth) == "bitwise", mode
+
+
+@pytest.mark.parametrize("flag_on_before", [False, True], ids=["flag_off", "flag_on_elsewhere"])
+def test_the_shield_lasts_from_a_no_grad_call_to_the_next_training_call(flag_on_before: bool) -> None:
+    """The marks a ``no_grad`` call puts on its gathered parameters are on through its forward and off before
+    the next grad-enabled call casts; torch's process-wide flag for them is as it was (on where something else,
+    CUDA graph trees, turned it on) once the last mark is off, at the next training call or at ``remove()``."""
+    marks = _compat.load().cache_marks
+    assert marks is not None and not marks.flag_on()
+    if flag_on_before:
+        marks.enable(True)
+    seen: list[bool] = []
+    try:
+        for end in ("training_call", "remove"):
+            with G._mode("apply") as fully_shard:
+                m = G.Block()
+                fully_shard(m, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
+                state = _compat.load().state_of(m)
+                m.register_forward_hook(lambda *_: seen.append(all(
+                    marks.marked(p) for p in _compat.unsharded_parameters(state))))
+                x = torch.randn(4, G.DIM)
+                with torch.autocast("cpu", dtype=G.BF16):
+                    m(x)  # gathers once: the parameters' tensors exist from here
+                    with torch.no_grad():
+                        m(x)
+                    assert marks.flag_on()
+                    if end == "training_call":
+                        m(x)
+                        assert not any(marks.marked(p) for p in _compat.unsharded_parameters(state))
+                        assert marks.flag_on() == flag_on_before
+            assert marks.flag_on() == flag_on_before, end
+        assert seen == [False, True, False, False, True], seen
+    finally:
+        marks.enable(False)
 
 
 # -- 2. peak memory ------------------------------------------------------------------------------------
