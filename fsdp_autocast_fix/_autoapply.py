@@ -95,11 +95,6 @@ def cancel() -> bool:
     return was
 
 
-def pending() -> bool:
-    """Whether an auto-apply waits for an import to finish or for the first ``fully_shard``."""
-    return _pending
-
-
 def _imports_under_way(ignore: str | None) -> list[str]:
     """Modules of torch or of this package whose import has started and not finished (except ``ignore``)."""
     return [name for name, module in list(sys.modules.items())

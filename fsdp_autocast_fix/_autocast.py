@@ -14,10 +14,7 @@ from typing import Any
 
 import torch
 
-_any_autocast_enabled = torch._C._is_any_autocast_enabled
-_is_autocast_enabled = torch.is_autocast_enabled
-_get_autocast_dtype = torch.get_autocast_dtype
-_is_autocast_cache_enabled = torch.is_autocast_cache_enabled
+from . import _compat
 
 #: Captured when no autocast is enabled anywhere: entering it disables autocast.
 ALL_OFF = "all-off"
@@ -25,22 +22,15 @@ ALL_OFF = "all-off"
 
 def capture(device_types: tuple[str, ...]) -> Any:
     """The autocast state now: :data:`ALL_OFF`, or ``((enabled, dtype) per device type, cache)``."""
-    if not _any_autocast_enabled():
+    if not _compat.load().any_autocast_enabled():
         return ALL_OFF
     return capture_enabled(device_types)
 
 
 def capture_enabled(device_types: tuple[str, ...]) -> Any:
     """:func:`capture` where some autocast is known to be enabled."""
-    if len(device_types) == 1:  # CPU alone: the common case, spelled out
-        return ((_is_autocast_enabled("cpu"), _get_autocast_dtype("cpu")),), _is_autocast_cache_enabled()
-    per_device = tuple([(_is_autocast_enabled(d), _get_autocast_dtype(d)) for d in device_types])
-    return per_device, _is_autocast_cache_enabled()
-
-
-def _read(device_types: tuple[str, ...]) -> Any:
-    return tuple([(_is_autocast_enabled(d), _get_autocast_dtype(d)) for d in device_types]), \
-        _is_autocast_cache_enabled()
+    per_device = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types)
+    return per_device, torch.is_autocast_cache_enabled()
 
 
 def _write(state: Any, device_types: tuple[str, ...], current: Any = None) -> None:
@@ -70,10 +60,11 @@ class Entered:
 
     def __init__(self, captured: Any, device_types: tuple[str, ...]) -> None:
         if captured is ALL_OFF:
-            captured = tuple((False, _get_autocast_dtype(d)) for d in device_types), _is_autocast_cache_enabled()
+            off = tuple((False, torch.get_autocast_dtype(d)) for d in device_types)
+            captured = off, torch.is_autocast_cache_enabled()
         self.state, self.device_types = captured, device_types
         self.thread = threading.get_ident()
-        self.before = _read(device_types)
+        self.before = capture_enabled(device_types)
         for _ in device_types:
             torch.autocast_increment_nesting()
         _write(captured, device_types, self.before)
@@ -88,7 +79,7 @@ class Entered:
     def resume(self) -> None:
         """Enter the state again over what is current now."""
         if not self.active:
-            self.before = _read(self.device_types)
+            self.before = capture_enabled(self.device_types)
             _write(self.state, self.device_types, self.before)
             self.active = True
 

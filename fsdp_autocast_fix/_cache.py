@@ -53,23 +53,12 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _autocast, _compat, _report
 
-_clear_autocast_cache = torch.clear_autocast_cache
-_is_autocast_enabled = torch.is_autocast_enabled
-_is_inference_mode_enabled = torch.is_inference_mode_enabled
-_is_grad_enabled = torch.is_grad_enabled
-_set_grad_enabled = torch._C._set_grad_enabled
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_pre_dispatch_modes = torch._ops._len_torch_dispatch_stack_pre_dispatch
-_push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-_mm = torch.mm
 _tls = threading.local()
 #: How many threads hold hazards: the one thing an ordinary grad-enabled call reads when none does.
-active = [0]
+active = 0
 #: A hazard's scope: the FSDP state whose parameters' casts it concerns, or every state.
 EVERY_STATE: Any = object()
 _sentinels: dict[str, torch.Tensor] = {}
@@ -142,8 +131,8 @@ def before_call(state: Any, task: int, grad: bool, device_types: tuple[str, ...]
             note(state, -1, device_types)
         return
     if _shielded:
-        unshield(state)
-    if active[0]:
+        unshield(state, owner)
+    if active:
         check(state, task, owner)
     if task != -1 and trainable():
         note(state, task, device_types)
@@ -154,13 +143,16 @@ def before_call(state: Any, task: int, grad: bool, device_types: tuple[str, ...]
 
 class _Marks:
     """The marks :func:`shield` put on one FSDP state's gathered parameters: weak references to them, and to the
-    state's cover (``owner``: its key, an ``id``, may be another cover's once it is freed)."""
+    state's cover (``owner``: its key, an ``id``, may be another cover's once it is freed), and the sentinel of the
+    cache's lifetime then (``lifetime``, see :func:`_sentinel_cast`: for the report, which counts a shield only
+    where a grad-enabled call came in the same lifetime)."""
 
-    __slots__ = ("owner", "parameters")
+    __slots__ = ("owner", "parameters", "lifetime")
 
-    def __init__(self, owner: Any, parameters: list[torch.Tensor]) -> None:
+    def __init__(self, owner: Any, parameters: list[torch.Tensor], lifetime: Any) -> None:
         self.owner = weakref.ref(owner)
         self.parameters = [weakref.ref(p) for p in parameters]
+        self.lifetime = lifetime
 
 
 #: FSDP state key -> the marks on its gathered parameters (see :func:`shield`).
@@ -169,10 +161,10 @@ _shielded: dict[Any, _Marks] = {}
 _flag_raised = False
 
 
-def shield(state: Any, owner: Any, parameters: list[torch.Tensor]) -> None:
-    """A covered call of ``state`` (``owner``: its cover) under ``no_grad``, autocast on with the cache, right
-    after FSDP's pre-forward gathered ``parameters``: mark those autocast would cache (float32 leaves that
-    require grad) with torch's own mark for tensors whose casts must not be cached
+def shield(state: Any, owner: Any, parameters: list[torch.Tensor], device_types: tuple[str, ...]) -> None:
+    """A covered call of ``state`` (``owner``: its cover, on ``device_types``) under ``no_grad``, autocast on with
+    the cache, right after FSDP's pre-forward gathered ``parameters``: mark those autocast would cache (float32
+    leaves that require grad) with torch's own mark for tensors whose casts must not be cached
     (:class:`~._compat.CacheMarks`), so that the call neither caches a cast without grad (which a later
     grad-enabled call would reuse, cut off from the parameter, or backward after FSDP's post-backward hook) nor
     reads one (it makes its own, as plain autocast would where nothing was cached). Casts a grad-enabled pass
@@ -198,12 +190,13 @@ def shield(state: Any, owner: Any, parameters: list[torch.Tensor]) -> None:
     mine = [p for p in chosen if not marks.marked(p)]
     for parameter in mine:
         marks.add(parameter)
-    _shielded[state] = _Marks(owner, mine)
+    _shielded[state] = _Marks(owner, mine, _sentinel_cast(device_types) if mine else None)
 
 
-def unshield(state: Any) -> None:
+def unshield(state: Any, owner: str | None = None) -> None:
     """Take the marks :func:`shield` put on ``state``'s parameters off (a parameter freed since left its mark on
-    an object torch keeps only weakly, at no address a new tensor can take)."""
+    an object torch keeps only weakly, at no address a new tensor can take); ``owner``: the module class whose
+    grad-enabled call does so, for the report."""
     global _flag_raised
     marked = _shielded.pop(state, None)
     if marked is None:
@@ -217,6 +210,8 @@ def unshield(state: Any) -> None:
         parameter = ref()
         if parameter is not None:
             marks.remove(parameter)
+    if owner is not None and marked.parameters and (marked.lifetime is None or marked.lifetime() is not None):
+        _report.count(owner, "cache_shields")
     if _flag_raised and not _shielded:
         marks.enable(False)
         _flag_raised = False
@@ -237,6 +232,7 @@ def note(state: Any, task: int, device_types: tuple[str, ...], shortcut: bool = 
     ``no_grad`` (``task`` -1: a function checkpointed through ``preserve_autocast``, or a call where the shield is
     not available), or in the recompute of graph task ``task`` (``shortcut``: unless they die with
     the checkpoint's regions)."""
+    global active
     hazards = _hazards()
     by_state = hazards.by_state
     _alive(hazards)  # a cleared cache: the hazards noted before are gone
@@ -246,7 +242,7 @@ def note(state: Any, task: int, device_types: tuple[str, ...], shortcut: bool = 
         if shortcut and task != -1 and _dies_with_region():
             _skip(hazards, state, task, device_types)
             return
-        active[0] += 1
+        active += 1
         if hazards.lifetime is None:
             hazards.lifetime = _sentinel_cast(device_types)
     if task == -1 or by_state.get(state) != -1:  # a no_grad hazard outranks a recompute's
@@ -295,15 +291,16 @@ def check(state: Any, task: int, owner: str) -> None:
     if made_in is None or (made_in != -1 and made_in == task):
         return  # no hazard here, or casts of this very backward (a region's sharded calls share them)
     if _still_cached(hazards):
-        _clear_autocast_cache()
+        torch.clear_autocast_cache()
         _report.count(owner, "cache_drops")
     _reset(hazards)
 
 
 def _reset(hazards: _Hazards) -> None:
     """Forget the hazards of the cache's lifetime (the cache was dropped or cleared)."""
+    global active
     if hazards.by_state:
-        active[0] -= 1
+        active -= 1
     hazards.by_state.clear()
     hazards.lifetime = None
 
@@ -312,10 +309,11 @@ def _sentinel_cast(device_types: tuple[str, ...]) -> Any:
     """A weak reference to a cast of the patch's own empty parameter-like tensor (no memory allocated), made now through
     autocast's cache (so cached beside the hazard's casts: it lives exactly as long as they are cached), or None
     where it cannot be made (then the cache is assumed to hold them)."""
-    if _is_inference_mode_enabled() or torch._C._is_torch_function_mode_enabled():
+    internals = _compat.load()
+    if torch.is_inference_mode_enabled() or internals.function_mode_enabled():
         return None  # a function mode would see the sentinel's op
     for device_type in device_types:
-        if _is_autocast_enabled(device_type):
+        if torch.is_autocast_enabled(device_type):
             break
     else:
         return None
@@ -329,23 +327,23 @@ def _sentinel_cast(device_types: tuple[str, ...]) -> Any:
     # patch's own takes them, so that what watches the region's ops does not see the sentinel's op (a
     # checkpoint's saved-tensor hooks, selective checkpointing's dispatch mode would count it as the region's).
     saved: list[torch.Tensor] = []
-    grad = _is_grad_enabled()
+    grad = torch.is_grad_enabled()
     try:
-        _push_saved_hooks(saved.append, _same)  # raises where saved-tensor hooks are disabled
+        internals.push_saved_hooks(saved.append, _same)  # raises where saved-tensor hooks are disabled
     except RuntimeError:
         return None
     try:
-        _set_grad_enabled(True)
-        if _dispatch_modes() or _pre_dispatch_modes():
-            with _disable_current_modes():
-                _mm(source, source)
+        internals.set_grad_enabled(True)
+        if internals.dispatch_modes() or internals.pre_dispatch_modes():
+            with internals.disable_current_modes():
+                torch.mm(source, source)
         else:
-            _mm(source, source)
+            torch.mm(source, source)
     except Exception:  # a backend whose autocast does not cast mm, say: no sentinel
         return None
     finally:
-        _set_grad_enabled(grad)
-        _pop_saved_hooks()
+        internals.set_grad_enabled(grad)
+        internals.pop_saved_hooks()
     return weakref.ref(saved[0]) if saved else None
 
 
@@ -353,8 +351,3 @@ def _still_cached(hazards: _Hazards) -> bool:
     """Whether autocast's cache still holds what it held when the first hazard was noted (no sentinel: assume
     it does). The cache holds the only reference to the sentinel's cast; a region end or a drop frees it."""
     return hazards.lifetime is None or hazards.lifetime() is not None
-
-
-def tainted() -> bool:
-    """Whether this thread holds a hazard now (for tests)."""
-    return bool(_hazards().by_state)

@@ -39,6 +39,41 @@ _STATE_MODULES = (
 )
 
 
+#: Stands for FSDP's state module in :data:`PRIVATE_NAMES` (one of :data:`_STATE_MODULES`, whichever this torch has).
+STATE = "<FSDPState's module>"
+#: Every private torch name the patch reads, as ``(module, attribute path)``: resolved by :func:`load` and nowhere
+#: else, so that a torch without one imports this package, and :func:`load` names it.
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    ("torch._C", "_is_any_autocast_enabled"),
+    ("torch._C", "_current_graph_task_id"),
+    ("torch._C", "_current_autograd_node"),
+    ("torch._C._autograd", "_get_sequence_nr"),
+    ("torch._C", "_set_grad_enabled"),
+    ("torch._C", "_is_torch_function_mode_enabled"),
+    ("torch._C", "_len_torch_dispatch_stack"),
+    ("torch._ops", "_len_torch_dispatch_stack_pre_dispatch"),
+    ("torch._C._autograd", "_push_saved_tensors_default_hooks"),
+    ("torch._C._autograd", "_pop_saved_tensors_default_hooks"),
+    ("torch.utils._python_dispatch", "_disable_current_modes"),
+    ("torch._C", "_get_privateuse1_backend_name"),
+    ("torch.autograd.variable", "Variable._execution_engine"),
+    ("torch.distributed.utils", "_to_kwargs"),
+    ("torch.distributed._composable_state", "_module_state_mapping"),
+    (STATE, "FSDPState._pre_forward"),
+    (STATE, "FSDPState._post_forward"),
+    (STATE, "TrainingState"),
+    (STATE, "_cast_fp_tensor"),
+)
+#: Private names the patch can do without: autocast's cache marks (without them a ``no_grad`` call drops the
+#: cache instead, with a warning at ``apply()``).
+OPTIONAL_NAMES: tuple[tuple[str, str], ...] = (
+    ("torch._C", "_add_cached_tensor"),
+    ("torch._C", "_remove_cached_tensor"),
+    ("torch._C", "_is_cached_tensor"),
+    ("torch._C", "_set_cached_tensors_enabled"),
+)
+
+
 class UnsupportedTorchError(RuntimeError):
     """This torch lacks an internal the patch relies on, or has reshaped it.
 
@@ -78,6 +113,20 @@ class Internals:
     #: The code of the wrapper FSDP puts around its hooks to keep torch.compile out of them, which makes a new
     #: ``torch._dynamo.disable`` object on every call (``_dynamo_disable``; ``disable_if_config_true`` in 2.4-2.7).
     fsdp_hook_wrappers: frozenset[types.CodeType]
+    #: Device types whose forward root FSDP moves inputs to (``FSDPState._root_pre_forward``).
+    moving_device_types: frozenset[str]
+    # torch's private calls the patch makes, each named for what it tells or does
+    any_autocast_enabled: Callable[[], bool]
+    graph_task_id: Callable[[], int]  # the running backward's, -1 outside backward
+    current_node: Callable[[], Any]  # the autograd node running now, or None
+    sequence_nr: Callable[[], int]  # autograd's sequence number, of the next node made
+    set_grad_enabled: Callable[[bool], None]
+    function_mode_enabled: Callable[[], bool]
+    dispatch_modes: Callable[[], int]  # torch dispatch modes on the stack
+    pre_dispatch_modes: Callable[[], int]
+    push_saved_hooks: Callable[[Any, Any], None]  # saved-tensor hooks, as torch.autograd.graph uses them
+    pop_saved_hooks: Callable[[], None]
+    disable_current_modes: Callable[[], Any]  # a context without the dispatch modes
 
     def state_of(self, module: torch.nn.Module) -> Any | None:
         """The FSDP state that manages ``module``, or None."""
@@ -154,10 +203,7 @@ class CacheMarks:
     __slots__ = ("add", "remove", "marked", "enable", "witness")
 
     def __init__(self) -> None:
-        self.add: Callable[[torch.Tensor], None] = torch._C._add_cached_tensor
-        self.remove: Callable[[torch.Tensor], None] = torch._C._remove_cached_tensor
-        self.marked: Callable[[torch.Tensor], bool] = torch._C._is_cached_tensor
-        self.enable: Callable[[bool], None] = torch._C._set_cached_tensors_enabled
+        self.add, self.remove, self.marked, self.enable = (resolve(module, path) for module, path in OPTIONAL_NAMES)
         self.witness = torch.empty(0)
         try:
             self.add(self.witness)  # raises while the flag is off
@@ -175,7 +221,7 @@ def _probe_cache_marks() -> CacheMarks | None:
     the third time marked; the second cast must be the first's (cached) and the third a new one."""
     try:
         marks = CacheMarks()
-    except (AttributeError, RuntimeError):
+    except (UnsupportedTorchError, RuntimeError):
         return None
     w = torch.zeros(1, 1, requires_grad=True)
     saved: list[torch.Tensor] = []
@@ -197,6 +243,24 @@ def _probe_cache_marks() -> CacheMarks | None:
             marks.enable(False)
     honoured = len(saved) == 6 and saved[0] is saved[2] and saved[4] is not saved[0]
     return marks if honoured else None
+
+
+def label(module: str, path: str) -> str:
+    """How :class:`UnsupportedTorchError` names a private name of :data:`PRIVATE_NAMES` (FSDP's without its
+    module's path, which differs between releases)."""
+    return path if module == STATE else f"{module}.{path}"
+
+
+def resolve(module: str, path: str) -> Any:
+    """``module``'s attribute ``path`` (dotted), or :class:`UnsupportedTorchError` naming it (:func:`label`)."""
+    try:
+        found = importlib.import_module(_import_first(_STATE_MODULES, "FSDPState module").__name__
+                                        if module == STATE else module)
+        for part in path.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as e:
+        raise UnsupportedTorchError(label(module, path), repr(e)) from None
+    return found
 
 
 def _import_first(names: tuple[str, ...], what: str) -> Any:
@@ -316,10 +380,7 @@ def load() -> Internals:
             lambda: torch.set_autocast_enabled("cpu", torch.is_autocast_enabled("cpu")),
         "torch.set_autocast_dtype(device_type, dtype)":
             lambda: torch.set_autocast_dtype("cpu", torch.get_autocast_dtype("cpu")),
-        "torch._C._is_any_autocast_enabled": torch._C._is_any_autocast_enabled,
-        "torch._C._current_graph_task_id": torch._C._current_graph_task_id,
-        "torch._C._current_autograd_node": torch._C._current_autograd_node,
-        "torch._C._autograd._get_sequence_nr": torch._C._autograd._get_sequence_nr,
+        "torch.compiler.disable": lambda: torch.compiler.disable,
     }
     for label, call in required.items():
         try:
@@ -328,6 +389,7 @@ def load() -> Internals:
             raise UnsupportedTorchError(label, repr(e)) from None
     if "always_call" not in inspect.signature(torch.nn.Module.register_forward_hook).parameters:
         raise UnsupportedTorchError("nn.Module.register_forward_hook(always_call=...)", "missing")
+    private = {path.rpartition(".")[2]: resolve(module, path) for module, path in PRIVATE_NAMES}
 
     package = fsdp_package()
     fully_shard = package.fully_shard
@@ -338,41 +400,45 @@ def load() -> Internals:
 
     state_module = _import_first(_STATE_MODULES, "FSDPState module")
     state_cls = _attr(state_module, "FSDPState", "FSDPState")
-    _check_params(_attr(state_cls, "_pre_forward", "FSDPState._pre_forward"),
-                  ("self", "module", "args", "kwargs"), "FSDPState._pre_forward")
-    _check_params(_attr(state_cls, "_post_forward", "FSDPState._post_forward"),
-                  ("self", "module", "input", "output"), "FSDPState._post_forward")
+    _check_params(private["_pre_forward"], ("self", "module", "args", "kwargs"), "FSDPState._pre_forward")
+    _check_params(private["_post_forward"], ("self", "module", "input", "output"), "FSDPState._post_forward")
     init = _attr(state_cls, "init", "FSDPState.init")
     _check_params(init, ("self",), "FSDPState.init")
-    training_state = _attr(state_module, "TrainingState", "TrainingState")
-    pre_backward = _attr(training_state, "PRE_BACKWARD", "TrainingState.PRE_BACKWARD")
-    cast_fp_tensor = _attr(state_module, "_cast_fp_tensor", "_cast_fp_tensor")
+    pre_backward = _attr(private["TrainingState"], "PRE_BACKWARD", "TrainingState.PRE_BACKWARD")
     # Traverse args exactly as this torch's FSDP does: _apply_to_tensors (2.5+) or tree_map (2.4).
     apply_to_tensors = getattr(state_module, "_apply_to_tensors", None)
     if apply_to_tensors is None:
         apply_to_tensors = _attr(state_module, "tree_map", "_apply_to_tensors / tree_map in FSDPState's module")
-
-    to_kwargs = _attr(_import_first(("torch.distributed.utils",), "torch.distributed.utils"), "_to_kwargs",
-                      "torch.distributed.utils._to_kwargs")
-    composable_state = _import_first(("torch.distributed._composable_state",), "torch.distributed._composable_state")
-    mapping = _attr(composable_state, "_module_state_mapping", "_composable_state._module_state_mapping")
+    engine = private["_execution_engine"]
+    moving = frozenset({"cuda", "hpu", "xpu", "mtia", private["_get_privateuse1_backend_name"]()})
 
     return Internals(
         fully_shard=fully_shard,
         fsdp_state_cls=state_cls,
         fsdp_module_cls=_attr(package, "FSDPModule", "FSDPModule"),
         pre_backward=pre_backward,
-        cast_fp_tensor=cast_fp_tensor,
+        cast_fp_tensor=private["_cast_fp_tensor"],
         apply_to_tensors=apply_to_tensors,
-        module_state_mapping=mapping,
-        to_kwargs=to_kwargs,
+        module_state_mapping=private["_module_state_mapping"],
+        to_kwargs=private["_to_kwargs"],
         forward_hooks_snapshot=_forward_hooks_snapshot(),
-        queue_backward_callback=_attr(torch.autograd.Variable._execution_engine, "queue_callback",
-                                      "Variable._execution_engine.queue_callback"),
+        queue_backward_callback=_attr(engine, "queue_callback", "Variable._execution_engine.queue_callback"),
         needs_cast_replay=_probe_cast_replay(state_cls, pre_backward, mp_policy_cls),
         needs_param_gather=_probe_param_gather(state_cls, pre_backward, mp_policy_cls),
         cache_marks=_probe_cache_marks(),
         fsdp_hook_wrappers=_hook_wrappers(state_module),
+        moving_device_types=moving,
+        any_autocast_enabled=private["_is_any_autocast_enabled"],
+        graph_task_id=private["_current_graph_task_id"],
+        current_node=private["_current_autograd_node"],
+        sequence_nr=private["_get_sequence_nr"],
+        set_grad_enabled=private["_set_grad_enabled"],
+        function_mode_enabled=private["_is_torch_function_mode_enabled"],
+        dispatch_modes=private["_len_torch_dispatch_stack"],
+        pre_dispatch_modes=private["_len_torch_dispatch_stack_pre_dispatch"],
+        push_saved_hooks=private["_push_saved_tensors_default_hooks"],
+        pop_saved_hooks=private["_pop_saved_tensors_default_hooks"],
+        disable_current_modes=private["_disable_current_modes"],
     )
 
 

@@ -6,10 +6,10 @@ forward hook (for the output cast) and adds a forward hook of its own, last and 
 replay after every other hook. While user pre-hooks run before FSDP's, a lead pre-hook of the patch is kept first,
 so that the record and the replayed autocast state come before them too.
 
-The patch's hooks are wrapped with ``torch._dynamo.disable`` as FSDP's are, so torch.compile runs them eagerly
-where it ran FSDP's; inside the patch's entries, FSDP's hooks are called without FSDP's own wrapper (which makes a
-new ``disable`` object on every call), made redundant by the patch's (``Internals.bare_hook``; the group closures
-as they are).
+The patch's hooks are wrapped with ``torch.compiler.disable`` as FSDP's are (``torch._dynamo.disable``), so
+torch.compile runs them eagerly where it ran FSDP's; inside the patch's entries, FSDP's hooks are called without
+FSDP's own wrapper (which makes a new ``disable`` object on every call), made redundant by the patch's
+(``Internals.bare_hook``; the group closures as they are).
 
 Invariant of :class:`Placement`: FSDP's hooks run exactly where and when they ran without the patch, each once
 per call; :meth:`Placement.remove` puts FSDP's entries back and leaves no hook of the patch on the module.
@@ -31,7 +31,7 @@ logger = logging.getLogger("fsdp_autocast_fix")
 
 def eager(hook: Any) -> Any:
     """``hook`` as torch.compile must see it, as FSDP's own: run eagerly where dynamo breaks the graph, never traced."""
-    return torch._dynamo.disable(hook, recursive=True)
+    return torch.compiler.disable(hook, recursive=True)
 
 
 class Placement:
@@ -124,7 +124,7 @@ class Placement:
             return
         if sys.exc_info()[1] is None:
             self.drop_exit()
-        elif torch._C._current_graph_task_id() != -1:
+        elif _compat.load().graph_task_id() != -1:
             _compat.load().queue_backward_callback(lambda: None if replays else self.drop_exit())
 
     def drop_exit(self) -> None:

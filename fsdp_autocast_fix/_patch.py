@@ -27,36 +27,15 @@ from typing import Any, Callable
 import torch
 import wrapt
 
-from . import _autocast, _cache, _calls, _compat, _report
+from . import _autocast, _cache, _calls, _compat, _replay, _report
+from ._calls import Call
 from ._hooks import Placement, eager, nn_register_forward_pre_hook
-from ._replay import ALL_CAST, Replayer, held, release_region, restored
+from ._replay import ALL_CAST, Replayer, restored
 
 logger = logging.getLogger("fsdp_autocast_fix")
 
 _GLOBAL = "apply"
 _LOCAL = "patched_fully_shard"
-
-# Hot-path callables, bound once.
-_any_autocast_enabled = torch._C._is_any_autocast_enabled
-_graph_task_id = torch._C._current_graph_task_id
-_is_inference_mode_enabled = torch.is_inference_mode_enabled
-_is_grad_enabled = torch.is_grad_enabled
-_is_autocast_cache_enabled = torch.is_autocast_cache_enabled
-_sequence_nr = torch._C._autograd._get_sequence_nr
-_capture_enabled = _autocast.capture_enabled
-_leaves = _calls.leaves
-_Tensor = torch.Tensor
-_ALL_OFF = _autocast.ALL_OFF
-_group_casts = _compat.group_casts
-_held = held
-_release_region = release_region
-
-#: Device types whose forward root FSDP moves inputs to (``FSDPState._root_pre_forward``).
-_MOVING_DEVICE_TYPES = frozenset({"cuda", "hpu", "xpu", "mtia", torch._C._get_privateuse1_backend_name()})
-#: The record of a call without autocast, of a module sharded alone on a device FSDP does not move inputs to.
-_PLAIN_CALL = (_autocast.ALL_OFF, False) + ALL_CAST
-#: The record of such a call after its autocast state, where its calls leave no cast-cache hazard either.
-_PLAIN_REST = _PLAIN_CALL[1:]
 
 _lock = threading.RLock()
 #: id(state) -> _Cover. A cover keeps its state (and so the modules) alive, and the modules' hook dicts,
@@ -69,23 +48,20 @@ _init_wrapper: Any = None
 
 
 class _Module:
-    """The patch on one module of a covered state: record each ordinary call, replay each recompute.
-
-    A call's record is ``(autocast state, root input moved, input cast, output cast)``: the autocast state as
-    :func:`~._autocast.capture` gives it (captured before FSDP's hook and any user pre-hook after the lead), whether
-    FSDP's root moved the inputs to the device, and which of FSDP's casts the forward does (for ``fully_shard([a,
-    b])`` only the group's first inputs and last output, in torch 2.5-2.12).
+    """The patch on one module of a covered state: record each ordinary call (:class:`~._calls.Call`: the autocast
+    state captured before FSDP's hook and any user pre-hook after the lead, whether FSDP's root moved the inputs
+    to the device, and which of FSDP's casts the forward does: for ``fully_shard([a, b])`` only the group's first
+    inputs and last output, in torch 2.5-2.12), replay each recompute.
     """
 
-    __slots__ = ("cover", "cover_key", "state", "pre_backward", "device_types", "may_move", "grouped", "varies",
-                 "cached", "name", "log", "placement", "replayer", "__weakref__")
+    __slots__ = ("cover", "cover_key", "state", "internals", "grouped", "cached", "name", "log", "placement",
+                 "replayer", "__weakref__")
 
     def __init__(self, cover: _Cover, module: torch.nn.Module, slots: _compat.HookSlots) -> None:
         self.cover, self.cover_key = cover, id(cover)  # the cast-cache hazards are kept per FSDP state
-        self.state, self.pre_backward = cover.state, cover.pre_backward
-        self.device_types, self.may_move = cover.device_types, cover.may_move
+        self.state = cover.state
+        self.internals = _compat.load()
         self.grouped = len(cover.modules_of_state) > 1
-        self.varies = self.grouped or self.may_move  # else a call without autocast is always recorded alike
         self.cached = cover.caches_parameters  # whether its calls can leave a cast-cache hazard (see _cache)
         self.name = _compat.user_class_name(module)
         self.log = _calls.CallLog()
@@ -99,9 +75,9 @@ class _Module:
         if placement.lead is None:
             self.begin(module, args, kwargs)
         result = placement.fsdp_call(module, args, kwargs)
-        if self.cached and not _is_grad_enabled():
+        if self.cached and not torch.is_grad_enabled():
             self.shield()
-        if self.cover.gathers and self.state._training_state is self.pre_backward:
+        if self.cover.gathers and self.state._training_state is self.cover.pre_backward:
             self.replayer.gather()  # this torch's recompute leaves resharded parameters so
         replays = self.replayer.replays
         if replays and replays[-1].pre_pending:
@@ -115,9 +91,9 @@ class _Module:
         replay started here is undone by :meth:`method_exit` in the same method call (``caller``, its frame)."""
         self.begin(module, args, kwargs, caller)
         result = self.cover.fsdp_pre_forward(module, args, kwargs)
-        if self.cached and not _is_grad_enabled():
+        if self.cached and not torch.is_grad_enabled():
             self.shield()
-        if self.cover.gathers and self.state._training_state is self.pre_backward:
+        if self.cover.gathers and self.state._training_state is self.cover.pre_backward:
             self.replayer.gather()
         replays = self.replayer.replays  # the replay this call started, if any, is the one it is the caller of
         if replays and replays[-1].caller is caller and replays[-1].pre_pending:
@@ -136,50 +112,47 @@ class _Module:
     def shield(self) -> None:
         """A ``no_grad`` call, after FSDP's pre-forward gathered the parameters: under autocast with the cache on,
         keep their casts out of the cache (see :func:`._cache.shield`)."""
-        if _any_autocast_enabled() and _is_autocast_cache_enabled():
-            _cache.shield(self.cover_key, self.cover, _compat.unsharded_parameters(self.state))
+        if self.internals.any_autocast_enabled() and torch.is_autocast_cache_enabled():
+            _cache.shield(self.cover_key, self.cover, _compat.unsharded_parameters(self.state),
+                          self.cover.device_types)
 
     def begin(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
               caller: types.FrameType | None = None) -> None:
         """Record an ordinary call or start the replay of a recompute: from the entry, as the lead pre-hook
         while user pre-hooks run before FSDP's, or from a registered method (``caller``: its frame)."""
-        method = caller is not None
-        if _graph_task_id() != -1:  # a recompute: only a backward runs one (FSDP stays in PRE_BACKWARD after a
-            tensors = _leaves(args, kwargs)  # backward that raised)
+        internals = self.internals
+        if internals.graph_task_id() != -1:  # a recompute: only a backward runs one (FSDP stays in PRE_BACKWARD
+            tensors = _calls.leaves(args, kwargs)  # after a backward that raised)
             self.replayer.start(module, tensors, caller)
-            if not _is_grad_enabled() and not _is_inference_mode_enabled():
+            if not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
                 # a checkpoint's forward inside this recompute (a per-layer checkpoint under a checkpoint of the
                 # whole stack): recorded in the state it runs in now, the forward's, for its own recompute later
-                self.log.record(tensors, self.replayer.nested_call(module), _sequence_nr())
+                self.log.record(tensors, self.replayer.nested_call(module), internals.sequence_nr())
             return
         if self.replayer.replays:  # left by an interrupted recompute (KeyboardInterrupt skips always_call hooks)
             self.replayer.drop_stale()
-        if _held[0]:  # a recompute region's entered state outlived its backward
-            _release_region()
-        grad = _is_grad_enabled()
-        if _any_autocast_enabled():
-            now = _capture_enabled(self.device_types)
-            call = self._call(module, now, grad, method) if self.varies or self.cached else (now,) + _PLAIN_REST
-        elif self.varies:
-            call = self._call(module, _ALL_OFF, grad, method)
-        else:
-            call = _PLAIN_CALL
-        if _is_inference_mode_enabled():  # an inference-mode call is never recomputed, even under enable_grad
+        if _replay.held:  # a recompute region's entered state outlived its backward
+            _replay.release_region()
+        grad = torch.is_grad_enabled()
+        call = self._call(module, grad, method=caller is not None)
+        if torch.is_inference_mode_enabled():  # an inference-mode call is never recomputed, even under enable_grad
             return  # (recorded, its state would be merged into the record of the training call on its input)
-        if len(args) == 1 and not kwargs and type(args[0]) is _Tensor:  # the common case, spelled out
-            self.log.record_one(args[0], call, -1 if grad else _sequence_nr())
-        else:
-            self.log.record(_leaves(args, kwargs), call, -1 if grad else _sequence_nr())
+        self.log.record(_calls.leaves(args, kwargs), call, -1 if grad else internals.sequence_nr())
 
-    def _call(self, module: torch.nn.Module, now: Any, grad: bool, method: bool) -> tuple[Any, ...]:
-        """The record of a call under the autocast state ``now``, grad mode ``grad`` (``method``: of a registered
-        method, which FSDP's pre- and post-forward always cast); first, under autocast with the cast cache on and
-        parameters autocast can cache, the cache's hazards (see :mod:`._cache`)."""
-        if now is not _ALL_OFF and now[1] and self.cached:
-            _cache.before_call(self.cover_key, -1, grad, self.device_types, self.name, self.cover.trainable)
-        state = self.state
-        moved = self.may_move and state._state_ctx.iter_forward_root is None  # this call starts a forward pass
-        return (now, moved) + (_group_casts(state, module) if self.grouped and not method else ALL_CAST)
+    def _call(self, module: torch.nn.Module, grad: bool, method: bool) -> Call:
+        """The record of this call, with grad mode ``grad`` (``method``: of a registered method, which FSDP's pre-
+        and post-forward always cast); first, under autocast with the cast cache on and parameters autocast can
+        cache, the cache's hazards (see :mod:`._cache`)."""
+        cover = self.cover
+        if not self.internals.any_autocast_enabled():
+            now = _autocast.ALL_OFF
+        else:
+            now = _autocast.capture_enabled(cover.device_types)
+            if now[1] and self.cached:
+                _cache.before_call(self.cover_key, -1, grad, cover.device_types, self.name, cover.trainable)
+        moved = cover.may_move and self.state._state_ctx.iter_forward_root is None  # this call starts a forward pass
+        cast_in, cast_out = _compat.group_casts(self.state, module) if self.grouped and not method else ALL_CAST
+        return Call(now, moved, cast_in, cast_out)
 
     def remove(self) -> None:
         """Take the patch off the module: FSDP's hooks as they were, no replay left in flight."""
@@ -210,7 +183,7 @@ class _Cover:
         self.gathers = _internals().needs_param_gather
         device_type = state._device.type
         self.device_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
-        self.may_move = device_type in _MOVING_DEVICE_TYPES
+        self.may_move = device_type in _internals().moving_device_types
         self.modules_of_state = [module for module, _ in slots]
         #: Whether autocast can cache casts of the state's parameters (else its calls have no cache hazard).
         self.caches_parameters = _cache.caches_parameters(state._mp_policy.param_dtype, self.modules_of_state)
@@ -464,12 +437,13 @@ def preserve_autocast(checkpoint_fn: Callable[..., Any]) -> Callable[..., Any]:
 def _checkpointed(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run a checkpointed function under the autocast state it must see, with the cache policy of :mod:`._cache`;
     in its recompute the covered modules keep that state (``_replay.restored``)."""
-    if _any_autocast_enabled() and torch.is_autocast_cache_enabled():
-        if not _is_grad_enabled():
+    internals = _internals()
+    if internals.any_autocast_enabled() and torch.is_autocast_cache_enabled():
+        if not torch.is_grad_enabled():
             _cache.note(_cache.EVERY_STATE, -1, _compat.autocast_device_types())
-        elif _cache.active[0]:
-            _cache.check(_cache.EVERY_STATE, _graph_task_id(), "preserve_autocast")
-    if _graph_task_id() == -1:
+        elif _cache.active:
+            _cache.check(_cache.EVERY_STATE, internals.graph_task_id(), "preserve_autocast")
+    if internals.graph_task_id() == -1:
         return function(*args, **kwargs)
     with restored():
         return function(*args, **kwargs)

@@ -36,22 +36,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _autocast, _cache, _calls, _compat, _report
+from ._calls import Call, Stamped
 
 if TYPE_CHECKING:
     from ._calls import CallLog
     from ._hooks import Placement
 
 logger = logging.getLogger("fsdp_autocast_fix")
-
-_graph_task_id = torch._C._current_graph_task_id
-_current_node = torch._C._current_autograd_node
-_is_autocast_cache_enabled = torch.is_autocast_cache_enabled
-_any_autocast_enabled = torch._C._is_any_autocast_enabled
-_is_grad_enabled = torch.is_grad_enabled
-_capture_enabled = _autocast.capture_enabled
-_ALL_OFF = _autocast.ALL_OFF
-_increment_nesting = torch.autocast_increment_nesting
-_decrement_nesting = torch.autocast_decrement_nesting
 
 
 class _Thread(threading.local):
@@ -75,12 +66,6 @@ _tls = _Thread()
 ALL_CAST = (True, True)
 
 
-def frames() -> list[Replay]:
-    """This thread's recomputes in flight, outermost first (autograd may recompute on its own threads): the
-    replays of the outermost covered modules being recomputed."""
-    return _tls.frames
-
-
 class Region:
     """The recompute region whose first sharded call was replayed last on this thread.
 
@@ -95,7 +80,7 @@ class Region:
 
     __slots__ = ("where", "call", "now", "entered", "depth")
 
-    def __init__(self, where: tuple[int, Any], call: Any, now: Any, entered: _autocast.Entered | None,
+    def __init__(self, where: tuple[int, Any], call: Call, now: Any, entered: _autocast.Entered | None,
                  depth: int) -> None:
         self.where, self.call, self.now, self.entered = where, call, now, entered
         #: autocast's nesting count between the region's calls: at its start, plus what the hold keeps
@@ -103,16 +88,17 @@ class Region:
 
     def let_go(self) -> None:
         """End the hold, not the region: its later calls (if any) enter the state again (:meth:`enter_again`)."""
+        global held
         entered = self.entered
         if entered is not None:
-            held[0] -= 1
+            held -= 1
             self.depth -= len(entered.device_types)
             self.entered = None
             entered.release(restore=True)
 
     def enter_again(self, device_types: tuple[str, ...]) -> None:
         """A later call of a region whose hold was let go: hold the call's state again."""
-        self.entered = _autocast.Entered(self.call[0], device_types)
+        self.entered = _autocast.Entered(self.call.autocast, device_types)
         self.depth += len(device_types)
         self.start()
 
@@ -131,9 +117,10 @@ class Region:
         a hold ends with its backward: one callback per backward and thread releases whichever region holds then
         (queued again where another backward's came in between, or where it ran already; a second one changes
         nothing)."""
+        global held
         _tls.region = self
         if self.entered is not None:
-            held[0] += 1
+            held += 1
             graph_task = self.where[0]
             if graph_task != -1 and _tls.ending != graph_task:
                 _tls.ending = graph_task
@@ -157,8 +144,8 @@ def _state_restored() -> bool:
     return bool(_tls.restored) or _compat.in_torch_recompute()
 
 
-#: How many regions hold an entered state, on any thread (ordinary forwards check it: one list read).
-held = [0]
+#: How many regions hold an entered state, on any thread (ordinary forwards check it).
+held = 0
 
 
 def release_region(restore: bool = False) -> None:
@@ -172,9 +159,10 @@ def release_region(restore: bool = False) -> None:
 
 def _end(region: Region, restore: bool = False) -> None:
     """:func:`release_region` of ``region``, this thread's current region."""
+    global held
     _tls.region = None
     if region.entered is not None:
-        held[0] -= 1
+        held -= 1
         region.entered.release(restore)
 
 
@@ -234,7 +222,7 @@ class Replay:
     """One recompute of a module: what FSDP's forward did that this torch skips, and what to undo after.
 
     ``graph_task``: the backward it runs in, where the module is the outermost covered module of the recompute
-    (the replay is then on this thread's :func:`frames` until it is undone), else None. ``moved``, ``cast_in``,
+    (the replay is then on this thread's ``frames`` until it is undone), else None. ``moved``, ``cast_in``,
     ``cast_out``: what the patch does in FSDP's place, each only where the call's forward did it and the policy
     makes it (a cast to no dtype is none: the post-hook is not swapped, the pre-hook's result not touched).
     ``caller``: for a registered method's call, the method's frame (its post-forward undoes the replay; held until
@@ -270,67 +258,79 @@ class Replayer:
         if not self.grouped:
             return ALL_CAST
         last = self.log.last
-        return last[2:] if last is not None else _compat.group_casts(self.cover.state, module)
+        return (last.cast_in, last.cast_out) if last is not None else _compat.group_casts(self.cover.state, module)
 
-    def nested_call(self, module: torch.nn.Module) -> Any:
+    def nested_call(self, module: torch.nn.Module) -> Call:
         """The record of a forward call inside a recompute, as it runs now (after :meth:`start`): the autocast
         state, no root move (it is not a forward pass's first call), FSDP's casts as for a call no record names."""
-        return (_autocast.capture(self.cover.device_types), False) + self._casts_of(module)
+        return Call(_autocast.capture(self.cover.device_types), False, *self._casts_of(module))
 
     # -- start ------------------------------------------------------------------------------------------
 
     def start(self, module: torch.nn.Module, tensors: list[torch.Tensor], caller: Any = None) -> None:
-        """A recompute of ``module`` begins (its inputs' leaves ``tensors``): enter its call's state, if needed.
-        ``caller``: the frame of a registered method, whose post-forward undoes the replay (no hook runs)."""
-        cover = self.cover
-        state = cover.state
-        graph_task = _graph_task_id()
-        stack_of_frames = _tls.frames
-        if stack_of_frames and stack_of_frames[0].graph_task != graph_task:  # left by an earlier backward
-            stack_of_frames.clear()
+        """A recompute of ``module`` begins (its inputs' leaves ``tensors``): enter its call's state, if needed, and
+        set up what FSDP's forward did that this torch skips. ``caller``: the frame of a registered method, whose
+        post-forward undoes the replay (no hook runs)."""
+        cover, internals = self.cover, _compat.load()
+        graph_task = internals.graph_task_id()
+        if _tls.frames and _tls.frames[0].graph_task != graph_task:  # left by an earlier backward
+            _tls.frames.clear()
         if _tls.methods:
             _drop_unwound()
-        entered = None
-        outermost = not stack_of_frames
+        outermost = not _tls.frames
+        call, entered = None, None
         if outermost:  # the outermost covered module of this recompute: the call it replays
-            now = _capture_enabled(cover.device_types) if _any_autocast_enabled() else _ALL_OFF
-            chosen, entered = self._choose(module, tensors, now, graph_task)
+            call, entered = self._choose(module, tensors, _autocast.capture(cover.device_types), graph_task)
             _report.count_recompute(self.name, entered is not None)
-        else:
-            chosen = None  # inside a replayed module: it re-runs as in the forward
-        if cover.caches_parameters and _any_autocast_enabled() and _is_autocast_cache_enabled():
-            _cache.before_call(self.key, graph_task, _is_grad_enabled(), cover.device_types, self.name,
+        # (inside a replayed module, a module re-runs as in the forward)
+        if cover.caches_parameters and internals.any_autocast_enabled() and torch.is_autocast_cache_enabled():
+            _cache.before_call(self.key, graph_task, torch.is_grad_enabled(), cover.device_types, self.name,
                                cover.trainable)
-        if chosen is None:
-            chosen = (None, False) + self._casts_of(module)
-        _, moved, cast_in, cast_out = chosen
-        if state._training_state is cover.pre_backward:  # FSDP skips its forward's root move, and on 2.4-2.12
-            casts = cover.casts()  # its casts: do them in its place, those its policy makes (none: nothing to swap)
+        replay = self._in_fsdps_place(call or Call(None, False, *self._casts_of(module)),
+                                      graph_task if outermost else None, entered)
+        if replay is not None:
+            self._track(replay, module, caller)
+
+    def _in_fsdps_place(self, call: Call, graph_task: int | None, entered: _autocast.Entered | None) -> Replay | None:
+        """The replay of ``call``: in ``PRE_BACKWARD`` FSDP skips its forward's root move, and on 2.4-2.12 its
+        casts, so the replay does them in its place, those the call's forward did and the policy makes (a cast to
+        no dtype is none); None where an inner module (``graph_task`` None) has nothing to do."""
+        cover = self.cover
+        state = cover.state
+        moved, cast_in, cast_out = call.moved, call.cast_in, call.cast_out
+        if state._training_state is cover.pre_backward:
+            casts = cover.casts()
             policy = state._mp_policy
             cast_in = cast_in and casts and policy.cast_forward_inputs and policy.param_dtype is not None
             cast_out = cast_out and casts and policy.output_dtype is not None
         else:
             moved = cast_in = cast_out = False
-        if not outermost and not (moved or cast_in or cast_out):
-            return
-        replay = Replay(graph_task if outermost else None, entered, moved, cast_in, cast_out)
+        if graph_task is None and not (moved or cast_in or cast_out):
+            return None
+        replay = Replay(graph_task, entered, moved, cast_in, cast_out)
         replay.owner = self
-        if outermost:
-            stack_of_frames.append(replay)
+        return replay
+
+    def _track(self, replay: Replay, module: torch.nn.Module, caller: Any) -> None:
+        """Put ``replay`` in flight until it is undone: the module's exit hook (and its output cast in FSDP's
+        forward-hook entry), or a registered method's post-forward (``caller``: its frame)."""
+        if replay.graph_task is not None:
+            _tls.frames.append(replay)
         self.replays.append(replay)
         if caller is not None:
             replay.caller = caller
             _tls.methods.append(replay)
+            graph_task = _compat.load().graph_task_id()
             if _tls.sweeping != graph_task:
                 _tls.sweeping = graph_task
                 _compat.load().queue_backward_callback(functools.partial(_sweep_methods, graph_task))
             return
-        if cast_out:
+        if replay.cast_out:
             self.placement.swap_post(True)
         self.placement.register_exit(module)
 
     def _choose(self, module: torch.nn.Module, tensors: list[torch.Tensor], now: Any,
-                graph_task: int) -> tuple[Any, _autocast.Entered | None]:
+                graph_task: int) -> tuple[Call | None, _autocast.Entered | None]:
         """The recorded call to replay (or None: leave the state as the checkpoint set it), and the entered state
         this call runs under (its region's), if the call's state is not the current one. The thread's region
         before is released unless the call follows it.
@@ -339,7 +339,7 @@ class Replayer:
         selective checkpointing) and inside :func:`fsdp_autocast_fix.preserve_autocast` the state is never
         changed: they restore the forward's autocast state at the region's start, and the region's code sets the
         rest as in the forward."""
-        node = _current_node()  # where: the backward and the node that runs the recompute
+        node = _compat.load().current_node()  # where: the backward and the node that runs the recompute
         here = graph_task, node._sequence_nr() if node is not None else None
         region = _tls.region
         calls = self.log.find(tensors)
@@ -347,57 +347,61 @@ class Replayer:
             if calls is None and region.follows(here, now):
                 if region.entered is not None:
                     region.entered.resume()
-                elif region.call[0] != now:  # its hold was let go (a backward inside the region)
+                elif region.call.autocast != now:  # its hold was let go (a backward inside the region)
                     region.enter_again(self.cover.device_types)
-                return region.call[:1] + (False,) + self._casts_of(module), region.entered
+                return Call(region.call.autocast, False, *self._casts_of(module)), region.entered
             _end(region)
         if calls is not None:
-            chosen = calls[0][0] if len(calls) == 1 else self._pick(module, calls, now)
+            chosen = self._pick(module, calls, node)
         elif not tensors and self.log.unkeyed is not None:  # only parameters as tensors: the latest such call
             chosen = self.log.unkeyed
         else:
-            last = self.log.last
-            if last is not None and last[0] != now and not _state_restored():
-                _report.unidentified(self.name, "no recorded call got its tensor arguments (computed in the "
-                                                "region, or copied by the checkpoint)")
-                if not self.warned:
-                    self.warned = True
-                    logger.warning(
-                        "%s: cannot tell which forward call this recompute replays (its tensor arguments are not "
-                        "the ones a recorded call received); leaving autocast as the checkpoint set it. If the "
-                        "checkpoint does not restore autocast, wrap it with fsdp_autocast_fix.preserve_autocast",
-                        type(module).__name__)
+            self._unidentified(module, now)
             return None, None
-        if chosen[0] != now and _state_restored():
-            chosen = (now,) + chosen[1:]
-        depth = _increment_nesting() - 1  # autocast's nesting count now (_autocast.nesting)
-        _decrement_nesting()
-        entered = _autocast.Entered(chosen[0], self.cover.device_types) if chosen[0] != now else None
+        if chosen.autocast != now and _state_restored():
+            chosen = chosen._replace(autocast=now)
+        depth = _autocast.nesting()  # before the state is entered (the region's count adds the hold's)
+        entered = _autocast.Entered(chosen.autocast, self.cover.device_types) if chosen.autocast != now else None
         Region(here, chosen, now, entered, depth).start()
         return chosen, entered
 
-    def _pick(self, module: torch.nn.Module, calls: tuple[tuple[Any, int], ...], now: Any) -> Any:
-        """The call a recompute replays among those recorded under its leaves (``(state, stamp)``, oldest first)."""
+    def _pick(self, module: torch.nn.Module, calls: tuple[Stamped, ...], node: Any) -> Call:
+        """The call a recompute replays among those recorded under its leaves (oldest first), run by the autograd
+        node ``node``."""
         if len(calls) == 1:
-            return calls[0][0]
+            return calls[0].call  # type: ignore[no-any-return]
         # The same leaves under several states (an eval pass on the training batch, say). A reentrant-style
         # checkpoint recomputes in the backward of its own autograd node, made right before its forward ran the
         # call under no_grad: the call stamped first after that node is its own (an eval run later is stamped
         # after the ops in between, one run earlier before the node). That holds where every call is stamped
         # (ran under no_grad); else the most recent, with one warning.
-        node = _current_node()
-        if node is not None and all(stamp >= 0 for _, stamp in calls):
+        if node is not None and all(c.stamp >= 0 for c in calls):
             made = node._sequence_nr()
-            after = [(stamp, call) for call, stamp in calls if stamp > made]
+            after = [c for c in calls if c.stamp > made]
             if after:
-                return min(after, key=lambda pair: pair[0])[1]
+                return min(after, key=lambda c: c.stamp).call  # type: ignore[no-any-return]
         if not self.warned:
             self.warned = True
             logger.warning(
                 "%s ran forward on the same input under %d autocast states before this recompute; replaying the "
                 "most recent. Wrap the checkpoint with fsdp_autocast_fix.preserve_autocast to make it exact",
-                type(module).__name__, len({state for state, _ in calls}))
-        return calls[-1][0]
+                type(module).__name__, len({c.call for c in calls}))
+        return calls[-1].call  # type: ignore[no-any-return]
+
+    def _unidentified(self, module: torch.nn.Module, now: Any) -> None:
+        """A recompute that no record names: counted and warned about (once) where it may matter, that is where
+        the latest call ran under another autocast state and the checkpoint did not restore it."""
+        last = self.log.last
+        if last is None or last.autocast == now or _state_restored():
+            return
+        _report.unidentified(self.name, "no recorded call got its tensor arguments (computed in the region, or "
+                                        "copied by the checkpoint)")
+        if not self.warned:
+            self.warned = True
+            logger.warning(
+                "%s: cannot tell which forward call this recompute replays (its tensor arguments are not the ones a "
+                "recorded call received); leaving autocast as the checkpoint set it. If the checkpoint does not "
+                "restore autocast, wrap it with fsdp_autocast_fix.preserve_autocast", type(module).__name__)
 
     def gather(self) -> None:
         """In ``PRE_BACKWARD``, right after FSDP's pre-forward: gather the state's parameters that were resharded

@@ -54,6 +54,7 @@ class ModuleReport:
     root_moves: int = 0
     param_gathers: int = 0
     cache_drops: int = 0
+    cache_shields: int = 0
     unidentified: int = 0
 
     def replayed(self) -> int:
@@ -74,10 +75,13 @@ class Report(ModuleReport):
         root_moves: FSDP root input moves to the device it replayed (no torch release replays them).
         param_gathers: recomputes in which it gathered parameters resharded since the forward, which torch
             before 2.11 leaves sharded ("mixed torch.Tensor and DTensor", pytorch issues 153354 and 187437).
-        cache_drops: times it dropped autocast's cached casts before a grad-enabled call because a call under
-            ``no_grad`` with the cache on ran since (pytorch issue 158232): where that call's autocast region was
-            still open, its casts would have cost the parameter gradients; where the region had ended (backward
-            outside autocast), the cache was already empty and the drop changed nothing.
+        cache_drops: times it dropped autocast's cached casts before a grad-enabled call because a recompute (or
+            a ``no_grad`` call through ``preserve_autocast``) cached casts since (pytorch issue 158232): where that
+            call's autocast region was still open, its casts would have cost the parameter gradients; where the
+            region had ended (backward outside autocast), the cache was already empty and the drop changed nothing.
+        cache_shields: ``no_grad`` calls under autocast whose casts it kept out of autocast's cache, followed by
+            a grad-enabled call of the same module (pytorch issue 158232): where both ran in one autocast region,
+            the second would otherwise have reused the first's casts and lost its parameter gradients.
         unidentified: recomputes whose forward call it could not identify (left as the checkpoint set them).
         unidentified_reasons: why, per module class.
         by_module: the counts per sharded module class.
@@ -111,9 +115,10 @@ class Report(ModuleReport):
                                                      (self.root_moves, "root input moves"),
                                                      (self.param_gathers, "parameter gathers")) if n]
             line = f"the patch fixed this run: it replayed {', '.join(fixed)} the recompute would have lost; keep it"
-        elif self.cache_drops:
-            line = (f"the patch replayed nothing ({seen}) but dropped autocast's cast cache {self.cache_drops} times "
-                    "after no_grad calls under autocast (pytorch issue 158232): needed where such a call ran in the "
+        elif self.cache_drops or self.cache_shields:
+            line = (f"the patch replayed nothing ({seen}) but kept casts made under no_grad or in a recompute from "
+                    f"training calls ({self.cache_shields} no_grad calls kept out of autocast's cast cache, "
+                    f"{self.cache_drops} cache drops; pytorch issue 158232): needed where such a call ran in the "
                     "training's open autocast region (an eval pass, or a reentrant checkpoint with backward inside "
                     "autocast); keep it unless none does")
         elif self.unidentified:

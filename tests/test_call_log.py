@@ -72,8 +72,8 @@ def test_a_freed_leaf_leaves_a_dead_record_no_lookup_finds_and_a_sweep_drops() -
     assert len(log) == 0
     assert log.find((torch.empty(0).set_(y.untyped_storage()),)) is None  # nothing found on y's memory either
     log.sweep()
-    assert not log.by_key and not log.indexed and not log.by_memory
-    assert x_id not in log.by_key and memory not in log.by_memory
+    assert not log.by_key and not log.index.indexed and not log.index.by_memory
+    assert (x_id,) not in log.by_key and (memory,) not in log.index.by_memory
 
 
 def test_the_log_holds_at_most_twice_the_records_alive_at_once() -> None:
@@ -105,7 +105,7 @@ def test_a_record_made_again_under_a_dead_records_key_is_the_newest() -> None:
     log.record((base,), "middle", -1)
     log.record((second,), "new", -1)
     assert log.find((base.detach(),)) == (("middle", -1), ("new", -1))
-    assert list(log.by_key)[-1] == id(second)
+    assert list(log.by_key)[-1] == (id(second),)
 
 
 def test_the_same_leaves_again_keep_each_state_once_latest_last_where_calls_ran_with_grad() -> None:
@@ -162,9 +162,9 @@ def test_a_record_dropped_while_the_index_is_built_is_skipped(monkeypatch: pytes
     assert log.find((held["c"].detach(),)) == (("c", -1),)
     monkeypatch.setattr(_calls, "_memory", memory)
     assert log.find((held["a"].detach(),)) == (("a", -1),)
-    assert len(log) == 2 and len(log.by_memory) == 2
+    assert len(log) == 2 and len(log.index.by_memory) == 2
     log.sweep()
-    assert len(log.by_key) == len(log.indexed) == len(log.by_memory) == 2
+    assert len(log.by_key) == len(log.index.indexed) == len(log.index.by_memory) == 2
 
 
 def test_an_inference_tensor_is_recorded_and_found() -> None:

@@ -396,7 +396,7 @@ def test_a_method_unwound_by_early_stop_inside_a_forward_is_undone_before_the_fo
     assert _method_in_forward("stock").verdict(truth) != "bitwise"  # positive control: b's lost autocast
     for mode in G.PATCHED_MODES:
         assert _method_in_forward(mode).verdict(truth) == "bitwise", mode
-    assert not _replay._tls.methods and not _replay.frames()
+    assert not _replay._tls.methods and not _replay._tls.frames
 
 
 def test_a_registered_method_leaves_no_attribute_on_the_state_after_remove() -> None:

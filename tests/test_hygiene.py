@@ -58,7 +58,7 @@ def test_records_hold_no_tensors() -> None:
     gc.collect()
     assert len(module_cover.log) == 0  # the record died with its input
     module_cover.log.sweep()
-    assert not module_cover.log.by_key and not module_cover.log.indexed and not module_cover.log.by_memory
+    assert not module_cover.log.by_key and not module_cover.log.index.indexed and not module_cover.log.index.by_memory
 
 
 def test_no_activation_or_input_alive_after_backward() -> None:

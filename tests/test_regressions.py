@@ -474,7 +474,7 @@ def _recompute_hazards(mode: str, reentrant: bool, backward: str, monkeypatch: p
                 loss.backward()
         if backward != "inside":
             loss.backward()
-        left = _cache.tainted()
+        left = bool(_cache._hazards().by_state)
         _cache._reset(_cache._hazards())
     return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in model.parameters()]), made[0], left
 

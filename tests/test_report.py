@@ -39,12 +39,12 @@ def _buggy() -> int:
 
 def _counts(report: fsdp_autocast_fix.ModuleReport) -> dict[str, int]:
     return {f: getattr(report, f) for f in ("recomputes", "autocast_changed", "input_casts", "output_casts",
-                                            "root_moves", "cache_drops", "unidentified")}
+                                            "root_moves", "cache_drops", "cache_shields", "unidentified")}
 
 
 def _expect(**counts: int) -> dict[str, int]:
     base = dict.fromkeys(("recomputes", "autocast_changed", "input_casts", "output_casts", "root_moves",
-                          "cache_drops", "unidentified"), 0)
+                          "cache_drops", "cache_shields", "unidentified"), 0)
     return {**base, **counts}
 
 
@@ -84,10 +84,12 @@ def test_custom_checkpoint_not_restoring_autocast_reports_changed_states() -> No
     assert "replayed 1 autocast states" in report.advice()
 
 
-def test_reentrant_checkpoint_with_backward_inside_autocast_reports_the_cache_drop() -> None:
+def test_reentrant_checkpoint_with_backward_inside_autocast_reports_the_shielded_call() -> None:
+    """The checkpoint's forward runs under no_grad in the training's autocast region: its casts are kept out of
+    the cache, which its recompute (a grad-enabled call of the module) would otherwise reuse."""
     report = _report_of(G.Cell("torch_reentrant", "fp32_params", "bf16", "inside", "none", "none", "root"))
-    assert _counts(report) == _expect(recomputes=1, cache_drops=1)
-    assert report.advice().startswith("the patch replayed nothing (1 recomputes seen) but dropped")
+    assert _counts(report) == _expect(recomputes=1, cache_shields=1)
+    assert report.advice().startswith("the patch replayed nothing (1 recomputes seen) but kept casts")
 
 
 def test_torch_checkpoint_without_a_cache_hazard_changes_nothing_on_a_fixed_torch() -> None:

@@ -224,7 +224,7 @@ def test_a_keyboard_interrupt_in_the_recompute_leaves_nothing_behind_at_the_next
     assert seen == stock_seen == [False, False]  # the engine restored it as the backward unwound
     assert patched.same_as(stock)
     assert _nesting() == 0  # and the patch its nesting count: the cast cache is cleared at region ends again
-    assert not _replay.frames()
+    assert not _replay._tls.frames
     assert not any(m.replayer.replays for cover in list(_patch._covers.values()) for m in cover.modules)
 
 
@@ -295,7 +295,7 @@ def test_every_hold_a_backward_entered_ends_with_it() -> None:
                     for layer in layers:
                         h = S.RecomputeWithoutAutocast.apply(layer, h) if checkpointed else layer(h)
                 h.float().sum().backward()
-                after.append((_nesting(), _replay.held[0], _replay.Region.current() is None,
+                after.append((_nesting(), _replay.held, _replay.Region.current() is None,
                               torch.is_autocast_enabled("cpu"), torch.is_autocast_cache_enabled(), queued[0]))
         _replay.release_region()
         fsdp_autocast_fix.remove()
