@@ -26,7 +26,8 @@ with warnings.catch_warnings():  # torch warns at import where numpy is absent; 
 from . import _autoapply, _compat, _patch, _report
 from ._checks import VALUE_CHECK, check_recompute, register_value_check
 from ._compat import UnsupportedTorchError
-from ._patch import apply, patched_fully_shard, preserve_autocast, remove
+from ._patch import apply, patched_fully_shard, remove
+from ._preserve import preserve_autocast
 from ._report import ModuleReport, Report
 
 __all__ = [

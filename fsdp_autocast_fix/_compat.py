@@ -263,6 +263,20 @@ def resolve(module: str, path: str) -> Any:
     return found
 
 
+def set_method_forwards(state: Any, hooks: tuple[Any, Any]) -> None:
+    """Put ``hooks`` where a method registered with ``register_fsdp_forward_method`` finds the state's pre- and
+    post-forward (it looks ``_pre_forward`` / ``_post_forward`` up on the state at each call)."""
+    state._pre_forward, state._post_forward = hooks
+
+
+def clear_method_forwards(state: Any, hooks: tuple[Any, Any]) -> None:
+    """Undo :func:`set_method_forwards` (where ``hooks`` are still there): the state's class's methods again."""
+    attributes = vars(state)
+    for name, ours in zip(("_pre_forward", "_post_forward"), hooks):
+        if attributes.get(name) is ours:
+            del attributes[name]
+
+
 def _import_first(names: tuple[str, ...], what: str) -> Any:
     errors = []
     for name in names:
