@@ -15,7 +15,7 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests", "transformers", "deepspeed", "dist"]
 
 #: Run by ``python3 -m nox`` (the README's test command and CI): the seed report's torch (FSDP2 on CPU through the
-#: suite's stand-ins, tests/cpu_standins.py), the oldest and newest buggy that run FSDP2 on CPU, one fixed.
+#: suite's stand-ins, tests/helpers/cpu_standins.py), the oldest and newest buggy that run FSDP2 on CPU, one fixed.
 CI = ["2.5.1", "2.7.1", "2.12.1", "2.13.0"]
 #: DeepSpeed's two checkpoints (reentrant ``checkpoint``, ``non_reentrant_checkpoint``), without its compiled ops.
 DEEPSPEED = "0.19.8"
@@ -75,7 +75,7 @@ def deepspeed(session: nox.Session, torch: str) -> None:
 @nox.session(python="3.11")
 @nox.parametrize("torch", CI, ids=CI)
 def grid(session: nox.Session, torch: str) -> None:
-    """A seeded sample of the generated scenario space (tests/grid.py) on one torch: 1,500 cells by default.
+    """A seeded sample of the generated scenario space (tests/helpers/grid.py) on one torch: 1,500 cells by default.
 
     ``python3 -m nox -s "grid(2.12.1)" -- --sample 3000 --seed 1`` runs another (the whole product, millions
     of cells, is ``-- --all``). Writes
@@ -85,12 +85,12 @@ def grid(session: nox.Session, torch: str) -> None:
     session.install("-e", ".[test]")
     os.makedirs("grid", exist_ok=True)
     what = list(session.posargs) or ["--sample", "1500"]
-    session.run("python", "tests/grid_report.py", *what, "--json", f"grid/torch-{torch}.json", env=STANDINS_ENV)
+    session.run("python", "tests/scripts/grid_report.py", *what, "--json", f"grid/torch-{torch}.json", env=STANDINS_ENV)
 
 
 @nox.session(python="3.11", name="grid-report")
 def grid_report(session: nox.Session) -> None:
-    """The scenario-space tables of docs/testing.md, from ``grid/torch-*.json`` (tests/grid.py, read for its
+    """The scenario-space tables of docs/testing.md, from ``grid/torch-*.json`` (tests/helpers/grid.py, read for its
     dimensions, imports torch)."""
     import glob
     import re
@@ -100,7 +100,7 @@ def grid_report(session: nox.Session) -> None:
         session.error("no grid/torch-*.json: run the grid sessions first")
     _install_torch(session, "2.13.0")
     session.install("-e", ".[test]")
-    tables = session.run("python", "-W", "ignore", "tests/grid_report.py", "--markdown", *paths, silent=True)
+    tables = session.run("python", "-W", "ignore", "tests/scripts/grid_report.py", "--markdown", *paths, silent=True)
     block = f"<!-- grid:start -->\n{tables.strip()}\n<!-- grid:end -->"
     page = open(TESTING_PAGE).read()
     page = re.sub(r"<!-- grid:start -->.*?<!-- grid:end -->", lambda _: block, page, flags=re.S)
@@ -119,7 +119,7 @@ def dist(session: nox.Session) -> None:
     """Build the sdist and the wheel and check them; then run part of the suite from the unpacked sdist, and
     leave both in ``dist/`` (README's install line).
 
-    Fails on a build warning of deprecated configuration, on what ``tests/check_dist.py`` finds in the
+    Fails on a build warning of deprecated configuration, on what ``tests/scripts/check_dist.py`` finds in the
     artefacts' contents and metadata, and on ``twine check --strict``. The suite runs against the installed
     wheel (pytest's own script, so the sdist's source folder is not on the path) and torch 2.13.0.
     """
@@ -132,7 +132,7 @@ def dist(session: nox.Session) -> None:
     log = session.run("uv", "build", "--out-dir", out, external=True, silent=True) or ""
     if "deprecat" in log.lower():
         session.error(f"the build warns of deprecated configuration:\n{log}")
-    session.run("python", "tests/check_dist.py", out)
+    session.run("python", "tests/scripts/check_dist.py", out)
     session.install("twine")
     session.run("twine", "check", "--strict", *sorted(glob.glob(os.path.join(out, "*"))))
 
@@ -150,8 +150,8 @@ def dist(session: nox.Session) -> None:
         shutil.copy2(artefact, "dist")
 
 
-#: For scripts run outside pytest: the suite's CPU stand-ins where this torch needs them (tests/standins_site).
-STANDINS_ENV = {"FSDP_AUTOCAST_FIX_TEST_CPU_STANDINS": "1", "PYTHONPATH": "tests/standins_site"}
+#: For scripts run outside pytest: the suite's CPU stand-ins where this torch needs them (tests/helpers/standins_site).
+STANDINS_ENV = {"FSDP_AUTOCAST_FIX_TEST_CPU_STANDINS": "1", "PYTHONPATH": "tests/helpers/standins_site"}
 
 
 @nox.session(python="3.11", name="matrix-run")
@@ -163,7 +163,7 @@ def matrix_run(session: nox.Session, torch: str) -> None:
     os.makedirs(".matrix", exist_ok=True)
     session.run("python", "-m", "pytest", "-q", f"--junitxml=.matrix/torch-{torch}.xml",
                 *(f"--ignore={path}" for path in TRANSFORMERS_TESTS), success_codes=[0, 1])
-    session.run("python", "tests/scenarios.py", "--json", f".matrix/torch-{torch}.json", env=STANDINS_ENV)
+    session.run("python", "tests/helpers/scenarios.py", "--json", f".matrix/torch-{torch}.json", env=STANDINS_ENV)
 
 
 @nox.session(python=False)
@@ -178,7 +178,7 @@ def matrix(session: nox.Session) -> None:
 @nox.session(python=False, name="matrix-report")
 def matrix_report(session: nox.Session) -> None:
     """Fold ``.matrix/`` into ``matrix/results.json`` and docs' tables (fails if any run failed)."""
-    session.run("python3", "tests/matrix_report.py")
+    session.run("python3", "tests/scripts/matrix_report.py")
 
 
 @nox.session(python="3.11")
@@ -195,7 +195,7 @@ def table(session: nox.Session, torch: str) -> None:
     """Print the scenario table (stock / apply / late apply / patched_fully_shard) for one torch."""
     _install_torch(session, torch)
     session.install("-e", ".[test]")
-    session.run("python", "tests/scenarios.py")
+    session.run("python", "tests/helpers/scenarios.py")
 
 
 @nox.session(python=False)

@@ -57,7 +57,7 @@ VARIANTS = ("patched", "stock", "reentrant")
 def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], rounds: int, out_path: str,
             counted: bool = False) -> None:
     sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
     from ranks import spawned_group  # the group torn down in step (gloo's shutdown races otherwise)
 
     torch.set_num_threads(1)

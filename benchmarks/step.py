@@ -132,7 +132,7 @@ def _reset_peak_rss() -> None:
 
 def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], out_path: str) -> None:
     sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
     from ranks import tear_down  # the group torn down in step (gloo's shutdown races otherwise)
 
     torch.set_num_threads(1)

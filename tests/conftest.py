@@ -1,41 +1,37 @@
 """Shared fixtures: a world-size-1 gloo process group on 127.0.0.1, and a clean patch state.
 
 On torch 2.4-2.6 without CUDA the suite runs FSDP2 on CPU through the test-only stand-ins of
-tests/cpu_standins.py, here and in every interpreter it starts (tests/standins_site).
+tests/helpers/cpu_standins.py, here and in every interpreter it starts (tests/helpers/standins_site).
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import socket
 import sys
 from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+#: The suite's helpers (scenario engines, CPU stand-ins, rank workers), importable by every test and script.
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
+sys.path.insert(0, HELPERS)
 
 import cpu_standins  # noqa: E402
+from ranks import free_port  # noqa: E402,F401  (the tests' import of it)
 
 import fsdp_autocast_fix  # noqa: E402
 
 if cpu_standins.needed():
     cpu_standins.install()
     os.environ[cpu_standins.ENV_VAR] = "1"
-    _site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standins_site")
+    _site = os.path.join(HELPERS, "standins_site")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_site, os.environ.get("PYTHONPATH")) if p)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
-
-#: ``nccl`` for the GPU check (tests/gpu_check.sh); gloo on CPU otherwise.
+#: ``nccl`` for the GPU check (tests/scripts/gpu_check.sh); gloo on CPU otherwise.
 BACKEND = os.environ.get("FSDP_AUTOCAST_FIX_TEST_BACKEND", "gloo")
 
 

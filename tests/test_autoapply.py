@@ -22,7 +22,7 @@ from fsdp_autocast_fix import _autoapply, _compat, _probe
 from fsdp_autocast_fix.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = Path(__file__).resolve().parent / "unaware_training.py"
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "unaware_training.py"
 
 #: The first statement of the training script, by name.
 ORDERS = {
@@ -45,7 +45,7 @@ def run_python(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
 
 
 def train(site_dir: Path, first: str, env: dict[str, str] | None = None) -> dict[str, object]:
-    """Run tests/unaware_training.py; its JSON report. Fails on a non-zero exit or a traceback."""
+    """Run tests/scripts/unaware_training.py; its JSON report. Fails on a non-zero exit or a traceback."""
     proc = run_python(str(SCRIPT), str(site_dir), first, env=env)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""The CPU stand-ins of tests/cpu_standins.py are faithful: with them, FSDP2 of torch 2.4-2.6 trains as the
+"""The CPU stand-ins of tests/helpers/cpu_standins.py are faithful: with them, FSDP2 of torch 2.4-2.6 trains as the
 unsharded model and FSDP1 do, on 1 and 2 ranks, and the seed report's pattern fails stock as the report says.
 
 On torch 2.7+ (or with CUDA) FSDP2 runs here without them: the same comparisons then check the references

@@ -1,4 +1,4 @@
-"""GPU checks (marked ``gpu``; skipped without CUDA): run by ``tests/gpu_check.sh`` with NCCL, world size 1.
+"""GPU checks (marked ``gpu``; skipped without CUDA): run by ``tests/scripts/gpu_check.sh`` with NCCL, world size 1.
 
 What CPU cannot reach: CUDA autocast (bf16, and fp16 with ``GradScaler``), the seed report's script as
 written (FSDP1 against fully_shard on CUDA), and FSDP's root input move to the device, which no torch
@@ -20,7 +20,7 @@ from fsdp_autocast_fix import _compat
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run tests/gpu_check.sh on a GPU machine"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run tests/scripts/gpu_check.sh on a GPU machine"),
     pytest.mark.usefixtures("pg"),
 ]
 

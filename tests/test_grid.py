@@ -1,7 +1,7 @@
-"""A fixed, seeded sample of the generated scenario space (tests/grid.py), every cell compared bitwise.
+"""A fixed, seeded sample of the generated scenario space (tests/helpers/grid.py), every cell compared bitwise.
 
 ``FSDP_AUTOCAST_FIX_GRID`` sets the sample size (default 400 cells; every value of every dimension is in
-it). ``python3 -m nox -s grid`` runs the whole product through ``tests/grid_report.py`` instead.
+it). ``python3 -m nox -s grid`` runs the whole product through ``tests/scripts/grid_report.py`` instead.
 """
 
 from __future__ import annotations

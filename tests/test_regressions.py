@@ -1,6 +1,6 @@
 """Every case of issue 9 as a named test: its positive control on stock torch, bitwise equality patched.
 
-The cases are cells of the generated space (tests/grid.py) with what stock torch must do in them stated
+The cases are cells of the generated space (tests/helpers/grid.py) with what stock torch must do in them stated
 here: ``"broken"`` on every torch, ``"buggy torch"`` only where torch skips FSDP's casts in the recompute
 (2.4-2.12), ``"resharding torch"`` only where its recompute leaves resharded parameters sharded (before 2.11),
 ``"fine"`` where stock is right and the patch must not change it. The checkpoint inside a

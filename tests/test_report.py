@@ -1,6 +1,6 @@
 """``fsdp_autocast_fix.report()``: exact counts for known runs, the advice line, reset, and the exit report.
 
-Each run is one cell of the generated space (tests/grid.py) under ``apply()``; what the patch must have done
+Each run is one cell of the generated space (tests/helpers/grid.py) under ``apply()``; what the patch must have done
 there is stated here per torch: the cast replay happens only where torch skips FSDP's casts (2.4-2.12).
 """
 
@@ -203,7 +203,7 @@ def _run(env: dict[str, str], ranks: int) -> subprocess.CompletedProcess[str]:
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
                     OMP_NUM_THREADS="1", **env)
     full_env.pop("FSDP_AUTOCAST_FIX", None)
-    script = os.path.join(HERE, "report_run.py")
+    script = os.path.join(HERE, "scripts", "report_run.py")
     if ranks == 1:
         command = [sys.executable, "-W", "ignore", script, str(free_port())]
     else:

@@ -6,7 +6,7 @@ post-backward, which reshards it, before the first call's recompute. torch befor
 ``FSDPState._pre_forward`` in that recompute and leaves the child sharded ("mixed torch.Tensor and DTensor",
 pytorch issue 153354); torch 2.11 and later gather it, and the patch does the same where torch does not
 (``Internals.needs_param_gather``, probed on torch's own code). The named cells of the generated space are in
-tests/grid.py (``NAMED``, "resharding torch"); here the same shape across FSDP's knobs.
+tests/helpers/grid.py (``NAMED``, "resharding torch"); here the same shape across FSDP's knobs.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def test_pth_line_imports_nothing_without_the_variable(tmp_path) -> None:
     (tmp_path / _autoapply.PTH_NAME).write_text(_autoapply.pth_line())
     code = (f"import site, sys; site.addsitedir({str(tmp_path)!r}); "
             "print(sorted(m for m in sys.modules if m.startswith(('wrapt', 'torch', 'fsdp_autocast_fix'))))")
-    # (not the suite's own CPU stand-ins either, which tests/standins_site would bring in on torch 2.4-2.6)
+    # (not the suite's own CPU stand-ins either, which tests/helpers/standins_site would bring in on torch 2.4-2.6)
     assert _python("-c", code, env={"FSDP_AUTOCAST_FIX_TEST_CPU_STANDINS": ""}).stdout.strip() == "[]"
 
 

@@ -3,7 +3,7 @@
 # Installs nothing; needs torch (with CUDA) and pytest there. If wrapt is missing and a wrapt wheel lies in
 # .whl/, it is unpacked to a temporary folder. Well under 8 minutes.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 if ! python3 -c "import wrapt" 2>/dev/null && ls .whl/wrapt-*.whl >/dev/null 2>&1; then

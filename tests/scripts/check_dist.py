@@ -1,6 +1,6 @@
 """Check the built sdist and wheel: what they hold and what their metadata says (run by ``nox -s dist``).
 
-    python tests/check_dist.py DIST_FOLDER
+    python tests/scripts/check_dist.py DIST_FOLDER
 
 Run from a git checkout. The sdist must hold every tracked file but CI's own, so that the test suite, the
 examples and the benchmarks run from it, and nothing else but what setuptools generates. The wheel must hold
@@ -20,7 +20,7 @@ from email.message import Message
 from email.parser import Parser
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 #: Tracked files that only CI and git need.
 NOT_SHIPPED = {".ci/run", ".gitignore"}
 LICENSE = "BSD-3-Clause"

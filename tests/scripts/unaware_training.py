@@ -1,6 +1,6 @@
 """A training step that knows nothing of fsdp_autocast_fix, for the auto-apply tests (tests/test_autoapply*.py).
 
-    python tests/unaware_training.py SITE_DIR "FIRST STATEMENT"
+    python tests/scripts/unaware_training.py SITE_DIR "FIRST STATEMENT"
 
 Adds SITE_DIR as a site directory (so its ``.pth`` files run, as at interpreter start), runs the first
 statement (``import torch._dynamo``, ``from transformers import LlamaForCausalLM``, ...), then shards small

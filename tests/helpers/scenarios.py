@@ -541,7 +541,7 @@ if __name__ == "__main__":
     import warnings
 
     import torch.distributed as dist
-    from conftest import free_port
+    from ranks import free_port
 
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

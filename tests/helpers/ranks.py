@@ -11,6 +11,7 @@ an active exception"), which fails the spawning test for a reason that is not th
 from __future__ import annotations
 
 import gc
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -38,3 +39,10 @@ def tear_down(clean: bool = True) -> None:
         dist.barrier()
     gc.collect()
     dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

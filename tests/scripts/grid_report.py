@@ -1,8 +1,8 @@
-"""Run cells of the scenario space (tests/grid.py) and report them: JSON per cell, markdown counts per dimension.
+"""Run cells of the scenario space (tests/helpers/grid.py) and report them: JSON per cell, markdown counts per dimension.
 
-    python tests/grid_report.py --sample 1200 --json grid/torch-2.12.1.json   # a seeded sample
-    python tests/grid_report.py --all --json grid/torch-2.12.1.json           # the whole product (hours)
-    python tests/grid_report.py --markdown grid/torch-*.json                  # docs/testing.md's tables
+    python tests/scripts/grid_report.py --sample 1200 --json grid/torch-2.12.1.json   # a seeded sample
+    python tests/scripts/grid_report.py --all --json grid/torch-2.12.1.json           # the whole product (hours)
+    python tests/scripts/grid_report.py --markdown grid/torch-*.json                  # docs/testing.md's tables
 
 Each cell: the ground truth, stock (the positive control, recorded) and the three patched modes, which must
 be bitwise equal to the truth; the exit status is 1 if any patched mode of any cell is not.
@@ -17,9 +17,12 @@ import sys
 import time
 import warnings
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
-import grid as G
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
+
+import grid as G  # noqa: E402
 
 
 #: torch's own checkpoint front ends (they restore autocast themselves).
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     import torch.distributed as dist
-    from conftest import free_port
+    from ranks import free_port
 
     warnings.simplefilter("ignore")
     logging.getLogger("fsdp_autocast_fix").setLevel(logging.ERROR)

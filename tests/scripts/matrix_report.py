@@ -13,7 +13,7 @@ import re
 import sys
 import xml.etree.ElementTree as ET
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 RAW = ROOT / ".matrix"
 RESULTS = ROOT / "matrix" / "results.json"
 VERSIONS_PAGE = ROOT / "docs" / "versions.md"

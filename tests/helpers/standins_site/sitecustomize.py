@@ -1,4 +1,4 @@
-"""Test-only: the CPU stand-ins of tests/cpu_standins.py in every interpreter the tests start.
+"""Test-only: the CPU stand-ins of tests/helpers/cpu_standins.py in every interpreter the tests start.
 
 tests/conftest.py puts this folder on ``PYTHONPATH`` and sets ``FSDP_AUTOCAST_FIX_TEST_CPU_STANDINS=1`` on torch
 2.4-2.6 without CUDA; Python imports this module at start, and it installs the stand-ins once FSDP is imported

@@ -28,7 +28,7 @@ FSDP2 before torch 2.7 runs only on CUDA, and in exactly two ways that matter he
    size, as NCCL's average does (for the power-of-two groups the tests use, the very same bits).
 
 Nothing here is active unless :func:`install` is called: tests/conftest.py calls it on torch < 2.7 without
-CUDA, and sets ``FSDP_AUTOCAST_FIX_TEST_CPU_STANDINS=1`` with tests/standins_site on ``PYTHONPATH`` so that
+CUDA, and sets ``FSDP_AUTOCAST_FIX_TEST_CPU_STANDINS=1`` with tests/helpers/standins_site on ``PYTHONPATH`` so that
 the interpreters the tests start (torchrun, spawned ranks, fresh interpreters) install them too, when FSDP2 is
 imported. Faithfulness is tested in tests/test_cpu_standins.py: plain training steps come out bitwise equal to
 the unsharded model and FSDP1, on 1 and 2 ranks; the seed report's pattern fails stock as the report says.
