@@ -157,8 +157,6 @@ def test_scaling_smoke(tmp_path) -> None:
         assert {"torch", "layers", "micro_batches", "evals_alive", "rounds", "steps_per_timing", "base",
                 "stock_ms", "patched_ms", "ratio", "growth", "growth_quartiles"} <= set(r)
         assert r["stock_ms"] > 0 and r["patched_ms"] > 0 and r["growth"] > 0
-        if r["base"] == [r["layers"], r["micro_batches"], r["evals_alive"]]:
-            assert r["growth"] == 1.0  # a configuration against itself, round by round
 
 
 def test_scaling_instructions_smoke(tmp_path) -> None:
@@ -171,8 +169,6 @@ def test_scaling_instructions_smoke(tmp_path) -> None:
                 "patched_instructions", "ratio", "growth", "growth_range"} <= set(r)
         assert r["stock_instructions"] > 0 and r["patched_instructions"] > 0
         assert r["ratio"] == r["patched_instructions"] / r["stock_instructions"]  # one round: its own ratio
-        if r["base"] == [r["layers"], r["micro_batches"], r["evals_alive"]]:
-            assert r["growth"] == 1.0
 
 
 def test_memory_smoke(tmp_path) -> None:

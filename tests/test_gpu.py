@@ -20,7 +20,8 @@ from fsdp_autocast_fix import _compat
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run tests/scripts/gpu_check.sh on a GPU machine"),
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs CUDA: run tests/scripts/gpu_check.sh on a GPU machine"),
     pytest.mark.usefixtures("pg"),
 ]
 

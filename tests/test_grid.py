@@ -1,7 +1,9 @@
 """A fixed, seeded sample of the generated scenario space (tests/helpers/grid.py), every cell compared bitwise.
 
-``FSDP_AUTOCAST_FIX_GRID`` sets the sample size (default 400 cells; every value of every dimension is in
-it). ``python3 -m nox -s grid`` runs the whole product through ``tests/scripts/grid_report.py`` instead.
+``FSDP_AUTOCAST_FIX_GRID`` sets the sample size (default 400 cells; the named cells and every value of every
+dimension are in it) and ``FSDP_AUTOCAST_FIX_GRID_SEED`` the seed of the rest (default 0: the nox sessions give
+each torch its own, so that together they cover more of the space). ``python3 -m nox -s grid`` runs larger
+samples through ``tests/scripts/grid_report.py`` instead.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from fsdp_autocast_fix import _compat
 
 pytestmark = pytest.mark.usefixtures("pg")
 
-SAMPLE = G.sample(int(os.environ.get("FSDP_AUTOCAST_FIX_GRID", "400")))
+SAMPLE = G.sample(int(os.environ.get("FSDP_AUTOCAST_FIX_GRID", "400")),
+                  int(os.environ.get("FSDP_AUTOCAST_FIX_GRID_SEED", "0")))
 #: Front ends through which stock torch recomputes a sampled cell wrongly on every torch (lost autocast,
 #: the weight-cast cache), and, where torch skips FSDP's casts, also those that recompute in PRE_BACKWARD.
 ALWAYS_BROKEN_SOMEWHERE = ("none", "torch_reentrant", "fn_no_restore", "fn_disable")

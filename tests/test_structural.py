@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 from typing import Any
-import re
 import types
 
 import pytest
@@ -18,11 +17,6 @@ import fsdp_autocast_fix
 from fsdp_autocast_fix import _compat, _patch
 
 pytestmark = pytest.mark.usefixtures("pg")
-
-
-def _base_version() -> tuple[int, int]:
-    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()  # type: ignore[union-attr]
-    return int(major), int(minor)
 
 
 def test_finds_the_right_fully_shard() -> None:
@@ -88,11 +82,6 @@ def test_detection_agrees_with_torchs_code() -> None:
     branch = source[source.index("TrainingState.PRE_BACKWARD"):]
     returned = next(line for line in branch.splitlines() if line.strip().startswith("return"))
     assert _compat.load().needs_cast_replay is ("cast" not in returned)
-
-
-def test_detection_matches_the_known_releases() -> None:
-    """2.4-2.12 skip the casts in the recompute; 2.13 (pytorch PR 182580) and later do them."""
-    assert _compat.load().needs_cast_replay is (_base_version() < (2, 13))
 
 
 def test_fsdps_dynamo_wrapper_is_recognised_and_only_it_is_bypassed() -> None:

@@ -1,4 +1,5 @@
-"""Run cells of the scenario space (tests/helpers/grid.py) and report them: JSON per cell, markdown counts per dimension.
+"""Run cells of the scenario space (tests/helpers/grid.py) and report them: JSON per cell, markdown counts per
+dimension.
 
     python tests/scripts/grid_report.py --sample 1200 --json grid/torch-2.12.1.json   # a seeded sample
     python tests/scripts/grid_report.py --all --json grid/torch-2.12.1.json           # the whole product (hours)
