@@ -143,38 +143,39 @@ def before_call(state: Any, task: int, grad: bool, device_types: tuple[str, ...]
 
 class _Marks:
     """The marks :func:`shield` put on one FSDP state's gathered parameters: weak references to them, and to the
-    state's cover (``owner``: its key, an ``id``, may be another cover's once it is freed), and the sentinel of the
-    cache's lifetime then (``lifetime``, see :func:`_sentinel_cast`: for the report, which counts a shield only
-    where a grad-enabled call came in the same lifetime)."""
+    state's cover (``owner``: its key, an ``id``, may be another cover's once it is freed); the registered method
+    call that put them (``caller``: its frame, whose post-forward takes them off; None for a forward call); and
+    the sentinel of the cache's lifetime then (``lifetime``, see :func:`_sentinel_cast`: for the report, which
+    counts a shield only where a grad-enabled call came in the same lifetime)."""
 
-    __slots__ = ("owner", "parameters", "lifetime")
+    __slots__ = ("owner", "parameters", "caller", "lifetime")
 
-    def __init__(self, owner: Any, parameters: list[torch.Tensor], lifetime: Any) -> None:
+    def __init__(self, owner: Any, parameters: list[torch.Tensor], caller: Any, lifetime: Any) -> None:
         self.owner = weakref.ref(owner)
         self.parameters = [weakref.ref(p) for p in parameters]
+        self.caller = caller
         self.lifetime = lifetime
 
 
 #: FSDP state key -> the marks on its gathered parameters (see :func:`shield`).
 _shielded: dict[Any, _Marks] = {}
-#: Whether the patch turned torch's process-wide flag for the marks on (it turns it off with its last mark).
-_flag_raised = False
 
 
-def shield(state: Any, owner: Any, parameters: list[torch.Tensor], device_types: tuple[str, ...]) -> None:
-    """A covered call of ``state`` (``owner``: its cover, on ``device_types``) under ``no_grad``, autocast on with
-    the cache, right after FSDP's pre-forward gathered ``parameters``: mark those autocast would cache (float32
-    leaves that require grad) with torch's own mark for tensors whose casts must not be cached
-    (:class:`~._compat.CacheMarks`), so that the call neither caches a cast without grad (which a later
-    grad-enabled call would reuse, cut off from the parameter, or backward after FSDP's post-backward hook) nor
-    reads one (it makes its own, as plain autocast would where nothing was cached). Casts a grad-enabled pass
-    cached stay in the cache untouched, for the passes after.
+def shield(state: Any, owner: Any, parameters: list[torch.Tensor], device_types: tuple[str, ...],
+           caller: Any = None) -> None:
+    """A covered call of ``state`` (``owner``: its cover, on ``device_types``; ``caller``: the frame of a
+    registered method's call) under ``no_grad``, autocast on with the cache, right after FSDP's pre-forward
+    gathered ``parameters``: mark those autocast would cache (float32 leaves that require grad) with torch's own
+    mark for tensors whose casts must not be cached (:class:`~._compat.CacheMarks`), so that the call neither
+    caches a cast without grad (which a later grad-enabled call would reuse, cut off from the parameter, or
+    backward after FSDP's post-backward hook) nor reads one (it makes its own, as plain autocast would where
+    nothing was cached). Casts a grad-enabled pass cached stay in the cache untouched, for the passes after.
 
-    Invariant: a state's parameters are marked from its ``no_grad`` call to its next covered grad-enabled call
-    under autocast with the cache on, which takes the marks off before it casts anything (:func:`unshield`), or
-    to the patch's removal, and never otherwise; torch's flag is on while a mark of the patch's is, and as it
-    was before after the last."""
-    global _flag_raised
+    Invariant: a state's parameters are marked from its ``no_grad`` call to the end of that call where it is a
+    registered method's (:func:`end_of_method`), else to the state's next covered grad-enabled call under
+    autocast with the cache on, which takes the marks off before it casts anything (:func:`unshield`), or to the
+    patch's removal; never otherwise. torch's process-wide flag for the marks is turned on with the first and left
+    on: CUDA graph trees rely on it too, and with nothing marked it changes no result."""
     marked = _shielded.get(state)
     if marked is not None:
         if marked.owner() is owner:
@@ -184,20 +185,26 @@ def shield(state: Any, owner: Any, parameters: list[torch.Tensor], device_types:
     chosen = [p for p in parameters if p.requires_grad and p.dtype == torch.float32 and p.is_leaf]
     if marks is None or not chosen:
         return
+    forget_freed()
     if not marks.flag_on():
         marks.enable(True)
-        _flag_raised = True
     mine = [p for p in chosen if not marks.marked(p)]
     for parameter in mine:
         marks.add(parameter)
-    _shielded[state] = _Marks(owner, mine, _sentinel_cast(device_types) if mine else None)
+    _shielded[state] = _Marks(owner, mine, caller, _sentinel_cast(device_types) if mine else None)
+
+
+def end_of_method(state: Any, caller: Any) -> None:
+    """A registered method's call ends (its post-forward): take off the marks it put, if it did."""
+    marked = _shielded.get(state)
+    if marked is not None and marked.caller is caller:
+        unshield(state)
 
 
 def unshield(state: Any, owner: str | None = None) -> None:
     """Take the marks :func:`shield` put on ``state``'s parameters off (a parameter freed since left its mark on
     an object torch keeps only weakly, at no address a new tensor can take); ``owner``: the module class whose
     grad-enabled call does so, for the report."""
-    global _flag_raised
     marked = _shielded.pop(state, None)
     if marked is None:
         return
@@ -205,16 +212,18 @@ def unshield(state: Any, owner: str | None = None) -> None:
     assert marks is not None
     if not marks.flag_on():  # turned off by someone else since: removing a mark needs it on
         marks.enable(True)
-        _flag_raised = True
     for ref in marked.parameters:
         parameter = ref()
         if parameter is not None:
             marks.remove(parameter)
     if owner is not None and marked.parameters and (marked.lifetime is None or marked.lifetime() is not None):
         _report.count(owner, "cache_shields")
-    if _flag_raised and not _shielded:
-        marks.enable(False)
-        _flag_raised = False
+
+
+def forget_freed() -> None:
+    """Take off the marks of covers freed since they were put (their model was freed)."""
+    for state in [state for state, marked in _shielded.items() if marked.owner() is None]:
+        unshield(state)
 
 
 def _alive(hazards: _Hazards) -> Any:

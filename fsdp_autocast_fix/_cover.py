@@ -73,7 +73,7 @@ class ModuleCover:
         self.begin(module, args, kwargs, caller)
         result = self.cover.fsdp_pre_forward(module, args, kwargs)
         if self.cached and not torch.is_grad_enabled():
-            self.shield()
+            self.shield(caller)
         if self.cover.gathers and self.state._training_state is self.cover.pre_backward:
             self.replayer.gather()
         replays = self.replayer.replays  # the replay this call started, if any, is the one it is the caller of
@@ -85,17 +85,20 @@ class ModuleCover:
         """In the place of FSDP's post-forward for a registered method: FSDP's, then the output cast and the undo of
         the replay this method call started, if it did."""
         output = self.cover.fsdp_post_forward(module, input, output)
+        if self.cached:
+            _cache.end_of_method(self.cover_key, caller)
         replays = self.replayer.replays
         if replays and replays[-1].caller is caller:
             return self.replayer.method_exit(replays[-1], output)
         return output
 
-    def shield(self) -> None:
-        """A ``no_grad`` call, after FSDP's pre-forward gathered the parameters: under autocast with the cache on,
-        keep their casts out of the cache (see :func:`._cache.shield`)."""
+    def shield(self, caller: types.FrameType | None = None) -> None:
+        """A ``no_grad`` call (``caller``: a registered method's frame), after FSDP's pre-forward gathered the
+        parameters: under autocast with the cache on, keep their casts out of the cache (see
+        :func:`._cache.shield`)."""
         if self.internals.any_autocast_enabled() and torch.is_autocast_cache_enabled():
             _cache.shield(self.cover_key, self.cover, _compat.unsharded_parameters(self.state),
-                          self.cover.device_types)
+                          self.cover.device_types, caller)
 
     def begin(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
               caller: types.FrameType | None = None) -> None:

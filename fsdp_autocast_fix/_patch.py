@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import wrapt
 
-from . import _compat, _report
+from . import _cache, _compat, _report
 from ._cover import Cover
 from ._hooks import nn_register_forward_pre_hook
 
@@ -181,6 +181,7 @@ def remove() -> None:
             if cover.owner == _GLOBAL:
                 cover.remove()
                 del _covers[key]
+        _cache.forget_freed()
         if not _covers:
             _intercept_pre_hook_registration(False)
     logger.info("fsdp_autocast_fix removed")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -23,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_autocast_fix
-from fsdp_autocast_fix import _compat, _replay
+from fsdp_autocast_fix import _cache, _compat, _replay
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import memory  # noqa: E402
@@ -161,38 +162,83 @@ def test_where_autocast_ignores_the_marks_a_no_grad_call_drops_the_cache_instead
         assert _passes(mode, "eval_before").verdict(truth) == "bitwise", mode
 
 
-@pytest.mark.parametrize("flag_on_before", [False, True], ids=["flag_off", "flag_on_elsewhere"])
-def test_the_shield_lasts_from_a_no_grad_call_to_the_next_training_call(flag_on_before: bool) -> None:
+@pytest.mark.parametrize("end", ["training_call", "remove", "model_freed"])
+def test_the_shield_lasts_from_a_no_grad_call_to_the_next_training_call(end: str) -> None:
     """The marks a ``no_grad`` call puts on its gathered parameters are on through its forward and off before
-    the next grad-enabled call casts; torch's process-wide flag for them is as it was (on where something else,
-    CUDA graph trees, turned it on) once the last mark is off, at the next training call or at ``remove()``."""
+    the next grad-enabled call casts, or at ``remove()`` (also where the model was freed first). torch's flag for
+    them stays on once the patch turned it on: something else marking its own tensors meanwhile (CUDA graph
+    trees' calls, here on CPU) keeps working."""
     marks = _compat.load().cache_marks
-    assert marks is not None and not marks.flag_on()
-    if flag_on_before:
-        marks.enable(True)
+    assert marks is not None
     seen: list[bool] = []
-    try:
-        for end in ("training_call", "remove"):
-            with G._mode("apply") as fully_shard:
-                m = G.Block()
-                fully_shard(m, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
-                state = _compat.load().state_of(m)
-                m.register_forward_hook(lambda *_: seen.append(all(
-                    marks.marked(p) for p in _compat.unsharded_parameters(state))))
-                x = torch.randn(4, G.DIM)
-                with torch.autocast("cpu", dtype=G.BF16):
-                    m(x)  # gathers once: the parameters' tensors exist from here
-                    with torch.no_grad():
-                        m(x)
-                    assert marks.flag_on()
-                    if end == "training_call":
-                        m(x)
-                        assert not any(marks.marked(p) for p in _compat.unsharded_parameters(state))
-                        assert marks.flag_on() == flag_on_before
-            assert marks.flag_on() == flag_on_before, end
-        assert seen == [False, True, False, False, True], seen
-    finally:
-        marks.enable(False)
+    with G._mode("apply") as fully_shard:
+        m = G.Block()
+        fully_shard(m, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
+        state = _compat.load().state_of(m)
+        m.register_forward_hook(lambda *_: seen.append(all(
+            marks.marked(p) for p in _compat.unsharded_parameters(state))))
+        x = torch.randn(4, G.DIM)
+        with torch.autocast("cpu", dtype=G.BF16):
+            m(x)  # gathers once: the parameters' tensors exist from here
+            with torch.no_grad():
+                m(x)
+            theirs = torch.randn(2)
+            marks.add(theirs)  # another user of the flag, after the patch turned it on
+            parameters = _compat.unsharded_parameters(state)
+            if end == "training_call":
+                m(x)
+                assert not any(marks.marked(p) for p in parameters)
+            elif end == "model_freed":
+                del m, state
+                gc.collect()
+    assert not _cache._shielded and not any(marks.marked(p) for p in parameters)
+    assert marks.flag_on() and marks.marked(theirs)
+    marks.remove(theirs)
+    assert seen[:2] == [False, True] and seen[2:] == ([False] if end == "training_call" else []), seen
+
+
+class _SelfEncoder(nn.Module):
+    """A block whose forward runs its own ``encode`` (registered with ``register_fsdp_forward_method``) under
+    ``no_grad`` between two uses of its weight with grad (found by review)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(G.DIM, G.DIM)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.lin(x)
+        with torch.no_grad():
+            t = self.encode(x)
+        return self.lin(a) + t
+
+
+def _self_encoder(mode: str, shard: bool = True) -> G.Result:
+    torch.manual_seed(0)
+    with G._mode(mode) as fully_shard:
+        m = _SelfEncoder()
+        if shard:
+            fully_shard(m, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
+            _compat.fsdp_package().register_fsdp_forward_method(m, "encode")
+        if mode == "late_apply":
+            fsdp_autocast_fix.apply()
+        x = torch.randn(4, G.DIM, requires_grad=True)
+        with torch.autocast("cpu", dtype=G.BF16):
+            out = m(x)
+        out.float().pow(2).sum().backward()
+    return _grads(x, modules=(m,))
+
+
+def test_a_registered_methods_no_grad_call_inside_a_training_forward_keeps_stocks_bits() -> None:
+    """Stock is right: the method's eval reuses the cast the forward cached with grad, and so does the weight's
+    second use. The method's marks end with the method's call, so that second use reuses the cast too."""
+    truth = _self_encoder("stock", shard=False)
+    stock = _self_encoder("stock")
+    assert stock.verdict(truth) == "bitwise"
+    for mode in G.PATCHED_MODES:
+        assert _self_encoder(mode).same_as(stock), mode
 
 
 # -- 2. peak memory ------------------------------------------------------------------------------------
