@@ -36,14 +36,46 @@ def _install_torch(session: nox.Session, version: str) -> None:
     session.install(f"torch=={version}")  # uv honours UV_FIND_LINKS from the environment
 
 
+#: Grid cells each CI torch samples (tests/test_grid.py), each with a seed of its own so that together they
+#: cover more of the space: the most on the buggy torch most users run.
+GRID = {"2.5.1": (150, 1), "2.7.1": (150, 2), "2.12.1": (400, 0), "2.13.0": (150, 3)}
+#: The benchmarks' instruction-count smoke runs (valgrind's callgrind, minutes each): on the first bench torch.
+INSTRUCTION_SMOKES = "instructions_smoke or test_instruction_counter"
+
+
+def _pytest(session: nox.Session, torch: str, grid: tuple[int, int], ignored: list[str], *args: str) -> None:
+    env = {"FSDP_AUTOCAST_FIX_GRID": str(grid[0]), "FSDP_AUTOCAST_FIX_GRID_SEED": str(grid[1])}
+    session.run("python", "-m", "pytest", "-q", *(f"--ignore={path}" for path in ignored), *args, *session.posargs,
+                env=env)
+
+
 @nox.session(python="3.11")
 @nox.parametrize("torch", CI, ids=CI)
 def tests(session: nox.Session, torch: str) -> None:
-    """The whole suite against one torch release (the benchmarks' smoke runs on the torches they run on)."""
+    """The whole suite against one torch release, its own grid sample (:data:`GRID`); the benchmarks' smoke runs
+    on the torches they measure on, the instruction counts on the first of them."""
     _install_torch(session, torch)
     session.install("-e", ".[test]")
     ignored = TRANSFORMERS_TESTS + ([] if torch in BENCH_TORCHES else ["tests/test_benchmarks_smoke.py"])
-    session.run("python", "-m", "pytest", "-q", *(f"--ignore={path}" for path in ignored), *session.posargs)
+    deselect = ["-k", f"not ({INSTRUCTION_SMOKES})"] if torch in BENCH_TORCHES[1:] else []
+    _pytest(session, torch, GRID[torch], ignored, *deselect)
+
+
+#: The contributor's quick check: one buggy and one fixed torch, a smaller grid sample, without the sessions'
+#: slowest parts (the benchmarks' smoke runs, multi-rank launches, fresh interpreters of the tools).
+QUICK = ["2.12.1", "2.13.0"]
+QUICK_IGNORED = ["tests/test_benchmarks_smoke.py", "tests/test_mesh_2d.py", "tests/test_cpu_standins.py",
+                 "tests/test_examples.py", "tests/test_autoapply.py", "tests/test_tools.py",
+                 "tests/test_seed_two_ranks.py", "tests/test_report.py", "tests/test_training_parity.py"]
+
+
+@nox.session(python="3.11")
+@nox.parametrize("torch", QUICK, ids=QUICK)
+def quick(session: nox.Session, torch: str) -> None:
+    """``python3 -m nox -s quick``: most of the suite in minutes (see :data:`QUICK`); CI runs the whole of it."""
+    _install_torch(session, torch)
+    session.install("-e", ".[test]")
+    _pytest(session, torch, (80, 0), TRANSFORMERS_TESTS + QUICK_IGNORED)
 
 
 #: transformers 4.x checkpoints each decoder layer's __call__ (hits the bug); 5.x does not.

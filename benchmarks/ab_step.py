@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                                      children=True)
     cfg = config(args.smoke, steps=0)
     rounds = args.rounds or (4 if args.instructions else 180)
-    result = run(cfg, 2 if args.smoke else rounds, counted=args.instructions)
+    result = run(cfg, (1 if args.instructions else 2) if args.smoke else rounds, counted=args.instructions)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -239,8 +239,9 @@ class Replay:
         self.owner: Replayer | None = None
 
 
-class Replayer:
-    """The replays of one covered module (see the module docstring for the invariant)."""
+class _Undo:
+    """The replays in flight of one covered module, and their undo (see the module docstring for the invariant:
+    each undone exactly once)."""
 
     __slots__ = ("cover", "key", "log", "placement", "grouped", "name", "replays", "warned", "__weakref__")
 
@@ -250,66 +251,6 @@ class Replayer:
         self.name = name  # the module's class, as the report names it
         self.replays: list[Replay] = []
         self.warned = False
-
-    def _casts_of(self, module: torch.nn.Module) -> tuple[bool, bool]:
-        """FSDP's casts for a recompute of ``module`` that no record names: every call's for a module sharded
-        alone; for a module of ``fully_shard([a, b])``, those of its latest ordinary call (they depend on its place
-        in the group's pass, which a recompute, run in reverse order, cannot read off FSDP's state)."""
-        if not self.grouped:
-            return ALL_CAST
-        last = self.log.last
-        return (last.cast_in, last.cast_out) if last is not None else _compat.group_casts(self.cover.state, module)
-
-    def nested_call(self, module: torch.nn.Module) -> Call:
-        """The record of a forward call inside a recompute, as it runs now (after :meth:`start`): the autocast
-        state, no root move (it is not a forward pass's first call), FSDP's casts as for a call no record names."""
-        return Call(_autocast.capture(self.cover.device_types), False, *self._casts_of(module))
-
-    # -- start ------------------------------------------------------------------------------------------
-
-    def start(self, module: torch.nn.Module, tensors: list[torch.Tensor], caller: Any = None) -> None:
-        """A recompute of ``module`` begins (its inputs' leaves ``tensors``): enter its call's state, if needed, and
-        set up what FSDP's forward did that this torch skips. ``caller``: the frame of a registered method, whose
-        post-forward undoes the replay (no hook runs)."""
-        cover, internals = self.cover, _compat.load()
-        graph_task = internals.graph_task_id()
-        if _tls.frames and _tls.frames[0].graph_task != graph_task:  # left by an earlier backward
-            _tls.frames.clear()
-        if _tls.methods:
-            _drop_unwound()
-        outermost = not _tls.frames
-        call, entered = None, None
-        if outermost:  # the outermost covered module of this recompute: the call it replays
-            call, entered = self._choose(module, tensors, _autocast.capture(cover.device_types), graph_task)
-            _report.count_recompute(self.name, entered is not None)
-        # (inside a replayed module, a module re-runs as in the forward)
-        if cover.caches_parameters and internals.any_autocast_enabled() and torch.is_autocast_cache_enabled():
-            _cache.before_call(self.key, graph_task, torch.is_grad_enabled(), cover.device_types, self.name,
-                               cover.trainable)
-        replay = self._in_fsdps_place(call or Call(None, False, *self._casts_of(module)),
-                                      graph_task if outermost else None, entered)
-        if replay is not None:
-            self._track(replay, module, caller)
-
-    def _in_fsdps_place(self, call: Call, graph_task: int | None, entered: _autocast.Entered | None) -> Replay | None:
-        """The replay of ``call``: in ``PRE_BACKWARD`` FSDP skips its forward's root move, and on 2.4-2.12 its
-        casts, so the replay does them in its place, those the call's forward did and the policy makes (a cast to
-        no dtype is none); None where an inner module (``graph_task`` None) has nothing to do."""
-        cover = self.cover
-        state = cover.state
-        moved, cast_in, cast_out = call.moved, call.cast_in, call.cast_out
-        if state._training_state is cover.pre_backward:
-            casts = cover.casts()
-            policy = state._mp_policy
-            cast_in = cast_in and casts and policy.cast_forward_inputs and policy.param_dtype is not None
-            cast_out = cast_out and casts and policy.output_dtype is not None
-        else:
-            moved = cast_in = cast_out = False
-        if graph_task is None and not (moved or cast_in or cast_out):
-            return None
-        replay = Replay(graph_task, entered, moved, cast_in, cast_out)
-        replay.owner = self
-        return replay
 
     def _track(self, replay: Replay, module: torch.nn.Module, caller: Any) -> None:
         """Put ``replay`` in flight until it is undone: the module's exit hook (and its output cast in FSDP's
@@ -328,114 +269,6 @@ class Replayer:
         if replay.cast_out:
             self.placement.swap_post(True)
         self.placement.register_exit(module)
-
-    def _choose(self, module: torch.nn.Module, tensors: list[torch.Tensor], now: Any,
-                graph_task: int) -> tuple[Call | None, _autocast.Entered | None]:
-        """The recorded call to replay (or None: leave the state as the checkpoint set it), and the entered state
-        this call runs under (its region's), if the call's state is not the current one. The thread's region
-        before is released unless the call follows it.
-
-        Under ``torch.utils.checkpoint`` (either mode; also ``checkpoint_wrapper``, the composable checkpoint and
-        selective checkpointing) and inside :func:`fsdp_autocast_fix.preserve_autocast` the state is never
-        changed: they restore the forward's autocast state at the region's start, and the region's code sets the
-        rest as in the forward."""
-        node = _compat.load().current_node()  # where: the backward and the node that runs the recompute
-        here = graph_task, node._sequence_nr() if node is not None else None
-        region = _tls.region
-        calls = self.log.find(tensors)
-        if region is not None:
-            if calls is None and region.follows(here, now):
-                if region.entered is not None:
-                    region.entered.resume()
-                elif region.call.autocast != now:  # its hold was let go (a backward inside the region)
-                    region.enter_again(self.cover.device_types)
-                return Call(region.call.autocast, False, *self._casts_of(module)), region.entered
-            _end(region)
-        if calls is not None:
-            chosen = self._pick(module, calls, node)
-        elif not tensors and self.log.unkeyed is not None:  # only parameters as tensors: the latest such call
-            chosen = self.log.unkeyed
-        else:
-            self._unidentified(module, now)
-            return None, None
-        if chosen.autocast != now and _state_restored():
-            chosen = chosen._replace(autocast=now)
-        depth = _autocast.nesting()  # before the state is entered (the region's count adds the hold's)
-        entered = _autocast.Entered(chosen.autocast, self.cover.device_types) if chosen.autocast != now else None
-        Region(here, chosen, now, entered, depth).start()
-        return chosen, entered
-
-    def _pick(self, module: torch.nn.Module, calls: tuple[Stamped, ...], node: Any) -> Call:
-        """The call a recompute replays among those recorded under its leaves (oldest first), run by the autograd
-        node ``node``."""
-        if len(calls) == 1:
-            return calls[0].call  # type: ignore[no-any-return]
-        # The same leaves under several states (an eval pass on the training batch, say). A reentrant-style
-        # checkpoint recomputes in the backward of its own autograd node, made right before its forward ran the
-        # call under no_grad: the call stamped first after that node is its own (an eval run later is stamped
-        # after the ops in between, one run earlier before the node). That holds where every call is stamped
-        # (ran under no_grad); else the most recent, with one warning.
-        if node is not None and all(c.stamp >= 0 for c in calls):
-            made = node._sequence_nr()
-            after = [c for c in calls if c.stamp > made]
-            if after:
-                return min(after, key=lambda c: c.stamp).call  # type: ignore[no-any-return]
-        if not self.warned:
-            self.warned = True
-            logger.warning(
-                "%s ran forward on the same input under %d autocast states before this recompute; replaying the "
-                "most recent. Wrap the checkpoint with fsdp_autocast_fix.preserve_autocast to make it exact",
-                type(module).__name__, len({c.call for c in calls}))
-        return calls[-1].call  # type: ignore[no-any-return]
-
-    def _unidentified(self, module: torch.nn.Module, now: Any) -> None:
-        """A recompute that no record names: counted and warned about (once) where it may matter, that is where
-        the latest call ran under another autocast state and the checkpoint did not restore it."""
-        last = self.log.last
-        if last is None or last.autocast == now or _state_restored():
-            return
-        _report.unidentified(self.name, "no recorded call got its tensor arguments (computed in the region, or "
-                                        "copied by the checkpoint)")
-        if not self.warned:
-            self.warned = True
-            logger.warning(
-                "%s: cannot tell which forward call this recompute replays (its tensor arguments are not the ones a "
-                "recorded call received); leaving autocast as the checkpoint set it. If the checkpoint does not "
-                "restore autocast, wrap it with fsdp_autocast_fix.preserve_autocast", type(module).__name__)
-
-    def gather(self) -> None:
-        """In ``PRE_BACKWARD``, right after FSDP's pre-forward: gather the state's parameters that were resharded
-        since the forward (a module run twice before one backward, whose first post-backward resharded them), as
-        torch 2.11+'s recompute does; this torch's returns early and leaves them sharded."""
-        if _compat.gather_parameters(self.cover.state):
-            _report.count(self.name, "param_gathers")
-
-    # -- FSDP's casts, in FSDP's place --------------------------------------------------------------------
-
-    def pre_casts(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> Any:
-        """Right after FSDP's pre-hook in a replay: the root move and input cast its forward did."""
-        replay = self.replays[-1]
-        replay.pre_pending = False
-        if result is not None:
-            args, kwargs = result
-        state = self.cover.state
-        if replay.moved:  # no torch release replays this
-            args_tuple, kwargs_tuple = _compat.load().to_kwargs(args, kwargs, state._device, False)
-            args, kwargs = args_tuple[0], kwargs_tuple[0]
-            _report.count(self.name, "root_moves")
-        if replay.cast_in:  # the policy casts inputs (see start)
-            dtype = state._mp_policy.param_dtype
-            args, kwargs = _cast(dtype, args), _cast(dtype, kwargs)
-            _report.count(self.name, "input_casts")
-        return args, kwargs
-
-    def post_forward(self, module: torch.nn.Module, input: Any, output: Any) -> Any:
-        """In the place of FSDP's forward hook during a replay: FSDP's hook, then the output cast it did."""
-        output = self.placement.fsdp_post_call(module, input, output)
-        _report.count(self.name, "output_casts")  # swapped in only where the policy has an output dtype (start)
-        return _cast(self.cover.state._mp_policy.output_dtype, output)
-
-    # -- undo -------------------------------------------------------------------------------------------
 
     def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """Last forward hook while a replay is in flight: undo what :meth:`start` changed, also on errors."""
@@ -510,6 +343,182 @@ class Replayer:
         if region is not None and any(r.entered is region.entered for r in self.replays if r.entered is not None):
             release_region(restore=True)
         self.replays.clear()
+
+
+class _InFsdpsPlace(_Undo):
+    """What a replay does in FSDP's place: in ``PRE_BACKWARD`` FSDP skips its forward's root move, on torch 2.4-2.12
+    its casts, and before 2.11 the gather of parameters resharded since the forward."""
+
+    __slots__ = ()
+
+    def _casts_of(self, module: torch.nn.Module) -> tuple[bool, bool]:
+        """FSDP's casts for a recompute of ``module`` that no record names: every call's for a module sharded
+        alone; for a module of ``fully_shard([a, b])``, those of its latest ordinary call (they depend on its place
+        in the group's pass, which a recompute, run in reverse order, cannot read off FSDP's state)."""
+        if not self.grouped:
+            return ALL_CAST
+        last = self.log.last
+        return (last.cast_in, last.cast_out) if last is not None else _compat.group_casts(self.cover.state, module)
+
+    def _in_fsdps_place(self, call: Call, graph_task: int | None, entered: _autocast.Entered | None) -> Replay | None:
+        """The replay of ``call``: in ``PRE_BACKWARD`` FSDP skips its forward's root move, and on 2.4-2.12 its
+        casts, so the replay does them in its place, those the call's forward did and the policy makes (a cast to
+        no dtype is none); None where an inner module (``graph_task`` None) has nothing to do."""
+        cover = self.cover
+        state = cover.state
+        moved, cast_in, cast_out = call.moved, call.cast_in, call.cast_out
+        if state._training_state is cover.pre_backward:
+            casts = cover.casts()
+            policy = state._mp_policy
+            cast_in = cast_in and casts and policy.cast_forward_inputs and policy.param_dtype is not None
+            cast_out = cast_out and casts and policy.output_dtype is not None
+        else:
+            moved = cast_in = cast_out = False
+        if graph_task is None and not (moved or cast_in or cast_out):
+            return None
+        replay = Replay(graph_task, entered, moved, cast_in, cast_out)
+        replay.owner = self
+        return replay
+
+    def gather(self) -> None:
+        """In ``PRE_BACKWARD``, right after FSDP's pre-forward: gather the state's parameters that were resharded
+        since the forward (a module run twice before one backward, whose first post-backward resharded them), as
+        torch 2.11+'s recompute does; this torch's returns early and leaves them sharded."""
+        if _compat.gather_parameters(self.cover.state):
+            _report.count(self.name, "param_gathers")
+
+    def pre_casts(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> Any:
+        """Right after FSDP's pre-hook in a replay: the root move and input cast its forward did."""
+        replay = self.replays[-1]
+        replay.pre_pending = False
+        if result is not None:
+            args, kwargs = result
+        state = self.cover.state
+        if replay.moved:  # no torch release replays this
+            args_tuple, kwargs_tuple = _compat.load().to_kwargs(args, kwargs, state._device, False)
+            args, kwargs = args_tuple[0], kwargs_tuple[0]
+            _report.count(self.name, "root_moves")
+        if replay.cast_in:  # the policy casts inputs (see start)
+            dtype = state._mp_policy.param_dtype
+            args, kwargs = _cast(dtype, args), _cast(dtype, kwargs)
+            _report.count(self.name, "input_casts")
+        return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, input: Any, output: Any) -> Any:
+        """In the place of FSDP's forward hook during a replay: FSDP's hook, then the output cast it did."""
+        output = self.placement.fsdp_post_call(module, input, output)
+        _report.count(self.name, "output_casts")  # swapped in only where the policy has an output dtype (start)
+        return _cast(self.cover.state._mp_policy.output_dtype, output)
+
+
+class Replayer(_InFsdpsPlace):
+    """The replays of one covered module: which recorded call a recompute replays, the state it enters, and what
+    it does in FSDP's place (see the module docstring)."""
+
+    __slots__ = ()
+
+    def nested_call(self, module: torch.nn.Module) -> Call:
+        """The record of a forward call inside a recompute, as it runs now (after :meth:`start`): the autocast
+        state, no root move (it is not a forward pass's first call), FSDP's casts as for a call no record names."""
+        return Call(_autocast.capture(self.cover.device_types), False, *self._casts_of(module))
+
+    def start(self, module: torch.nn.Module, tensors: list[torch.Tensor], caller: Any = None) -> None:
+        """A recompute of ``module`` begins (its inputs' leaves ``tensors``): enter its call's state, if needed, and
+        set up what FSDP's forward did that this torch skips. ``caller``: the frame of a registered method, whose
+        post-forward undoes the replay (no hook runs)."""
+        cover, internals = self.cover, _compat.load()
+        graph_task = internals.graph_task_id()
+        if _tls.frames and _tls.frames[0].graph_task != graph_task:  # left by an earlier backward
+            _tls.frames.clear()
+        if _tls.methods:
+            _drop_unwound()
+        outermost = not _tls.frames
+        call, entered = None, None
+        if outermost:  # the outermost covered module of this recompute: the call it replays
+            call, entered = self._choose(module, tensors, _autocast.capture(cover.device_types), graph_task)
+            _report.count_recompute(self.name, entered is not None)
+        # (inside a replayed module, a module re-runs as in the forward)
+        if cover.caches_parameters and internals.any_autocast_enabled() and torch.is_autocast_cache_enabled():
+            _cache.before_call(self.key, graph_task, torch.is_grad_enabled(), cover.device_types, self.name,
+                               cover.trainable)
+        replay = self._in_fsdps_place(call or Call(None, False, *self._casts_of(module)),
+                                      graph_task if outermost else None, entered)
+        if replay is not None:
+            self._track(replay, module, caller)
+
+    def _choose(self, module: torch.nn.Module, tensors: list[torch.Tensor], now: Any,
+                graph_task: int) -> tuple[Call | None, _autocast.Entered | None]:
+        """The recorded call to replay (or None: leave the state as the checkpoint set it), and the entered state
+        this call runs under (its region's), if the call's state is not the current one. The thread's region
+        before is released unless the call follows it.
+
+        Under ``torch.utils.checkpoint`` (either mode; also ``checkpoint_wrapper``, the composable checkpoint and
+        selective checkpointing) and inside :func:`fsdp_autocast_fix.preserve_autocast` the state is never
+        changed: they restore the forward's autocast state at the region's start, and the region's code sets the
+        rest as in the forward."""
+        node = _compat.load().current_node()  # where: the backward and the node that runs the recompute
+        here = graph_task, node._sequence_nr() if node is not None else None
+        region = _tls.region
+        calls = self.log.find(tensors)
+        if region is not None:
+            if calls is None and region.follows(here, now):
+                if region.entered is not None:
+                    region.entered.resume()
+                elif region.call.autocast != now:  # its hold was let go (a backward inside the region)
+                    region.enter_again(self.cover.device_types)
+                return Call(region.call.autocast, False, *self._casts_of(module)), region.entered
+            _end(region)
+        if calls is not None:
+            chosen = self._pick(module, calls, node)
+        elif not tensors and self.log.unkeyed is not None:  # only parameters as tensors: the latest such call
+            chosen = self.log.unkeyed
+        else:
+            self._unidentified(module, now)
+            return None, None
+        if chosen.autocast != now and _state_restored():
+            chosen = chosen._replace(autocast=now)
+        depth = _autocast.nesting()  # before the state is entered (the region's count adds the hold's)
+        entered = _autocast.Entered(chosen.autocast, self.cover.device_types) if chosen.autocast != now else None
+        Region(here, chosen, now, entered, depth).start()
+        return chosen, entered
+
+    def _pick(self, module: torch.nn.Module, calls: tuple[Stamped, ...], node: Any) -> Call:
+        """The call a recompute replays among those recorded under its leaves (oldest first), run by the autograd
+        node ``node``."""
+        if len(calls) == 1:
+            return calls[0].call  # type: ignore[no-any-return]
+        # The same leaves under several states (an eval pass on the training batch, say). A reentrant-style
+        # checkpoint recomputes in the backward of its own autograd node, made right before its forward ran the
+        # call under no_grad: the call stamped first after that node is its own (an eval run later is stamped
+        # after the ops in between, one run earlier before the node). That holds where every call is stamped
+        # (ran under no_grad); else the most recent, with one warning.
+        if node is not None and all(c.stamp >= 0 for c in calls):
+            made = node._sequence_nr()
+            after = [c for c in calls if c.stamp > made]
+            if after:
+                return min(after, key=lambda c: c.stamp).call  # type: ignore[no-any-return]
+        if not self.warned:
+            self.warned = True
+            logger.warning(
+                "%s ran forward on the same input under %d autocast states before this recompute; replaying the "
+                "most recent. Wrap the checkpoint with fsdp_autocast_fix.preserve_autocast to make it exact",
+                type(module).__name__, len({c.call for c in calls}))
+        return calls[-1].call  # type: ignore[no-any-return]
+
+    def _unidentified(self, module: torch.nn.Module, now: Any) -> None:
+        """A recompute that no record names: counted and warned about (once) where it may matter, that is where
+        the latest call ran under another autocast state and the checkpoint did not restore it."""
+        last = self.log.last
+        if last is None or last.autocast == now or _state_restored():
+            return
+        _report.unidentified(self.name, "no recorded call got its tensor arguments (computed in the region, or "
+                                        "copied by the checkpoint)")
+        if not self.warned:
+            self.warned = True
+            logger.warning(
+                "%s: cannot tell which forward call this recompute replays (its tensor arguments are not the ones a "
+                "recorded call received); leaving autocast as the checkpoint set it. If the checkpoint does not "
+                "restore autocast, wrap it with fsdp_autocast_fix.preserve_autocast", type(module).__name__)
 
 
 def _cast(dtype: torch.dtype, tree: Any) -> Any:
