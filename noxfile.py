@@ -39,8 +39,11 @@ def _install_torch(session: nox.Session, version: str) -> None:
 #: Grid cells each CI torch samples (tests/test_grid.py), each with a seed of its own so that together they
 #: cover more of the space: the most on the buggy torch most users run.
 GRID = {"2.5.1": (150, 1), "2.7.1": (150, 2), "2.12.1": (400, 0), "2.13.0": (150, 3)}
-#: The benchmarks' instruction-count smoke runs (valgrind's callgrind, minutes each): on the first bench torch.
+#: The benchmarks' instruction-count smoke runs (valgrind's callgrind, minutes each): the counter and the A/B
+#: step's (the step guard's script) on the first bench torch only; the hook overhead's and the growth's counts
+#: run in ``nox -s bench``.
 INSTRUCTION_SMOKES = "instructions_smoke or test_instruction_counter"
+BENCH_ONLY_SMOKES = "hook_overhead_instructions_smoke or scaling_instructions_smoke"
 
 
 def _pytest(session: nox.Session, torch: str, grid: tuple[int, int], ignored: list[str], *args: str) -> None:
@@ -57,7 +60,7 @@ def tests(session: nox.Session, torch: str) -> None:
     _install_torch(session, torch)
     session.install("-e", ".[test]")
     ignored = TRANSFORMERS_TESTS + ([] if torch in BENCH_TORCHES else ["tests/test_benchmarks_smoke.py"])
-    deselect = ["-k", f"not ({INSTRUCTION_SMOKES})"] if torch in BENCH_TORCHES[1:] else []
+    deselect = ["-k", f"not ({INSTRUCTION_SMOKES if torch in BENCH_TORCHES[1:] else BENCH_ONLY_SMOKES})"]
     _pytest(session, torch, GRID[torch], ignored, *deselect)
 
 
