@@ -29,7 +29,7 @@ def capture(device_types: tuple[str, ...]) -> Any:
 
 def capture_enabled(device_types: tuple[str, ...]) -> Any:
     """:func:`capture` where some autocast is known to be enabled."""
-    per_device = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types)
+    per_device = tuple([(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in device_types])
     return per_device, torch.is_autocast_cache_enabled()
 
 

@@ -20,6 +20,7 @@ share the key; a sweep visits each record once per doubling).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Any, NamedTuple
 
@@ -38,6 +39,12 @@ class Call(NamedTuple):
     moved: bool
     cast_in: bool
     cast_out: bool
+
+
+@functools.lru_cache(maxsize=1024)
+def call(autocast: Any, moved: bool, cast_in: bool, cast_out: bool) -> Call:
+    """The :class:`Call` of these values, one object per distinct call (records of alike calls share it)."""
+    return Call(autocast, moved, cast_in, cast_out)
 
 
 class Stamped(NamedTuple):
@@ -62,7 +69,8 @@ def leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     parameters: list[torch.Tensor] = []
     _collect(args, found, parameters)
-    _collect(kwargs, found, parameters)
+    if kwargs:
+        _collect(kwargs, found, parameters)
     return found or parameters
 
 
@@ -74,8 +82,9 @@ def tensors(tree: Any) -> list[torch.Tensor]:
 
 
 def _collect(value: Any, found: list[torch.Tensor], parameters: list[torch.Tensor]) -> None:
-    if isinstance(value, torch.Tensor):
-        (parameters if isinstance(value, torch.nn.Parameter) else found).append(value)
+    if isinstance(value, torch.Tensor):  # (Parameter's isinstance is Python code: a plain tensor skips it)
+        parameter = type(value) is not torch.Tensor and isinstance(value, torch.nn.Parameter)
+        (parameters if parameter else found).append(value)
     elif isinstance(value, (tuple, list)):
         for item in value:
             _collect(item, found, parameters)
@@ -265,7 +274,7 @@ class CallLog:
                 self.by_key[key] = seen._replace(calls=_merged(seen.calls, Stamped(call, stamp)))
                 return
             self._drop(key)  # the new record goes to the end, out of the detach index
-        self.by_key[key] = Record(tuple(weakref.ref(t) for t in tensors), tuple(_version(t) for t in tensors),
+        self.by_key[key] = Record(tuple([weakref.ref(t) for t in tensors]), tuple([_version(t) for t in tensors]),
                                   (Stamped(call, stamp),))
         if len(self.by_key) >= self.sweep_at:
             self.sweep()

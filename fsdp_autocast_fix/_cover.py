@@ -136,7 +136,7 @@ class ModuleCover:
                 _cache.before_call(self.cover_key, -1, grad, cover.device_types, self.name, cover.trainable)
         moved = cover.may_move and self.state._state_ctx.iter_forward_root is None  # this call starts a forward pass
         cast_in, cast_out = _compat.group_casts(self.state, module) if self.grouped and not method else ALL_CAST
-        return Call(now, moved, cast_in, cast_out)
+        return _calls.call(now, moved, cast_in, cast_out)
 
     def remove(self) -> None:
         """Take the patch off the module: FSDP's hooks as they were, no replay left in flight."""
