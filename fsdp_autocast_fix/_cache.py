@@ -186,8 +186,7 @@ def shield(state: Any, owner: Any, parameters: list[torch.Tensor], device_types:
     if marks is None or not chosen:
         return
     forget_freed()
-    if not marks.flag_on():
-        marks.enable(True)
+    marks.enable(True)  # and left on (see the invariant)
     mine = [p for p in chosen if not marks.marked(p)]
     for parameter in mine:
         marks.add(parameter)
@@ -210,8 +209,7 @@ def unshield(state: Any, owner: str | None = None) -> None:
         return
     marks = _compat.load().cache_marks
     assert marks is not None
-    if not marks.flag_on():  # turned off by someone else since: removing a mark needs it on
-        marks.enable(True)
+    marks.enable(True)  # another user may have turned it off since: removing a mark needs it on
     for ref in marked.parameters:
         parameter = ref()
         if parameter is not None:

@@ -164,16 +164,20 @@ def modules_of(state: Any) -> tuple[torch.nn.Module, ...]:
     return tuple(modules)
 
 
-def sharded_parameters(state: Any) -> list[torch.Tensor] | None:
-    """The parameters an FSDP state manages, as its modules hold them between forwards (``sharded_param`` of each
-    ``FSDPParam`` of its parameter groups: ``_fsdp_param_groups`` in 2.12+, ``_fsdp_param_group`` before), or None
-    where this torch does not have them so."""
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP state's parameter groups: ``_fsdp_param_groups`` in 2.12+, ``_fsdp_param_group`` (or None) before."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
+    return groups  # type: ignore[no-any-return]
+
+
+def sharded_parameters(state: Any) -> list[torch.Tensor] | None:
+    """The parameters an FSDP state manages, as its modules hold them between forwards (``sharded_param`` of each
+    ``FSDPParam`` of its parameter groups), or None where this torch does not have them so."""
     try:
-        return [fsdp_param.sharded_param for group in groups for fsdp_param in group.fsdp_params]
+        return [fsdp_param.sharded_param for group in _param_groups(state) for fsdp_param in group.fsdp_params]
     except AttributeError:
         return None
 
@@ -181,12 +185,8 @@ def sharded_parameters(state: Any) -> list[torch.Tensor] | None:
 def unsharded_parameters(state: Any) -> list[torch.Tensor]:
     """The parameters an FSDP state's modules hold during its forward (``unsharded_param`` of each ``FSDPParam``:
     one tensor per parameter from its first all-gather on, its storage freed and refilled); none before that."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
     found = []
-    for group in groups:
+    for group in _param_groups(state):
         for fsdp_param in getattr(group, "fsdp_params", ()):
             try:
                 found.append(fsdp_param.unsharded_param)
@@ -368,12 +368,8 @@ def _param_group_cls() -> type:
 def gather_parameters(state: Any) -> bool:
     """Gather (unshard, and wait for) the state's parameter groups that are not gathered, as torch 2.11+'s
     recompute does; True if one was not."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = state._fsdp_param_group
-        groups = [group] if group is not None else []
     gathered = False
-    for group in groups:
+    for group in _param_groups(state):
         if not group.is_unsharded:
             group.unshard()
             group.wait_for_unshard()
