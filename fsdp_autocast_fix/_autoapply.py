@@ -8,14 +8,14 @@ site-packages. At interpreter start it reads ``FSDP_AUTOCAST_FIX``; only when th
 The hook runs inside whatever import brought FSDP in, which may be torch's own (``torch._dynamo`` imports
 FSDP while it is half initialised) or this package's. So it applies the patch only when no import of torch
 or of this package is under way, and otherwise leaves it pending until the first of: the first
-``FSDPState.init`` (the first ``fully_shard`` call; the patch then covers that state before ``fully_shard``
-returns), :func:`fsdp_autocast_fix.status`, or the ``doctor``. It never raises: where the patch cannot be
+``FSDPState.init`` (the first ``fully_shard`` call, seen through the package's one wrapper on it,
+:mod:`._init_hook`; the patch then covers that state before ``fully_shard`` returns),
+:func:`fsdp_autocast_fix.status`, or the ``doctor``. It never raises: where the patch cannot be
 applied (an unsupported torch), it logs one warning and training runs on stock torch.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import site
@@ -24,6 +24,8 @@ import sysconfig
 import threading
 from pathlib import Path
 from typing import Any
+
+from . import _init_hook
 
 logger = logging.getLogger("fsdp_autocast_fix")
 
@@ -35,8 +37,7 @@ _HOOK = "fsdp_autocast_fix._autoapply:on_fsdp_import"
 
 _lock = threading.Lock()
 _pending = False
-#: While armed: (FSDPState, its own ``init``, the wrapper that settles the pending apply).
-_trigger: tuple[type, Any, Any] | None = None
+_HOLDER = "auto-apply"
 
 
 def pth_line() -> str:
@@ -53,7 +54,7 @@ def on_fsdp_import(module: Any) -> None:
         with _lock:
             _pending = True
         if not settle(importing=getattr(module, "__name__", None)):
-            _arm_trigger()
+            _wait_for_init()
     except Exception as e:  # pragma: no cover - a bug here must not break someone else's import
         logger.warning("fsdp_autocast_fix: auto-apply failed (%s: %s); training runs on stock torch",
                        type(e).__name__, e)
@@ -73,7 +74,6 @@ def settle(importing: str | None = None) -> bool:
         if _imports_under_way(importing):
             return False
         _pending = False
-    _disarm_trigger()
     try:
         import fsdp_autocast_fix
 
@@ -83,6 +83,8 @@ def settle(importing: str | None = None) -> bool:
                        "torch: %s", ENV_VAR, os.environ.get(ENV_VAR), e)
     else:
         logger.info("fsdp_autocast_fix applied automatically (%s=%s)", ENV_VAR, os.environ.get(ENV_VAR))
+    finally:
+        _init_hook.release(_HOLDER)  # after apply() took its own hold: the wrapper stays on
     return True
 
 
@@ -91,7 +93,7 @@ def cancel() -> bool:
     global _pending
     with _lock:
         was, _pending = _pending, False
-    _disarm_trigger()
+    _init_hook.release(_HOLDER)
     return was
 
 
@@ -102,9 +104,8 @@ def _imports_under_way(ignore: str | None) -> list[str]:
             and getattr(getattr(module, "__spec__", None), "_initializing", False)]
 
 
-def _arm_trigger() -> None:
-    """Make the first ``FSDPState.init`` settle the pending apply right after it ran (and cover its state)."""
-    global _trigger
+def _wait_for_init() -> None:
+    """Settle the pending apply right after the first ``FSDPState.init`` (it then covers that state too)."""
     from . import _compat
 
     found = next((getattr(sys.modules[name], "FSDPState", None) for name in _compat._STATE_MODULES
@@ -112,32 +113,9 @@ def _arm_trigger() -> None:
     if not isinstance(found, type) or "init" not in vars(found):  # status() still settles it
         logger.debug("fsdp_autocast_fix: FSDPState.init not found; the auto-apply waits for status()")
         return
-    state_cls, original = found, vars(found)["init"]
-
-    @functools.wraps(original)
-    def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _disarm_trigger()
-        result = original(self, *args, **kwargs)
-        if not settle():
-            _arm_trigger()
-        return result
-
     with _lock:
-        if _trigger is None and _pending:
-            setattr(state_cls, "init", init)
-            _trigger = (state_cls, original, init)
-
-
-def _disarm_trigger() -> None:
-    """Give ``FSDPState.init`` back, unless something wrapped it since (then the trigger stays, inert)."""
-    global _trigger
-    with _lock:
-        if _trigger is None:
-            return
-        state_cls, original, init = _trigger
-        _trigger = None
-        if vars(state_cls).get("init") is init:
-            setattr(state_cls, "init", original)
+        if _pending:
+            _init_hook.hold(found, _HOLDER, lambda state: settle())
 
 
 def _site_dirs() -> list[Path]:

@@ -113,19 +113,19 @@ class Placement:
             always_called[self.exit_handle.id] = True
         self.exit_on = True
 
-    def unregister_exit(self, replays: list[Any]) -> None:
-        """Remove the exit hook once no replay is in flight.
+    def unregister_exit(self) -> bool:
+        """Remove the exit hook now if that is safe; False where it must wait (the caller then drops it later).
 
         nn.Module.__call__ runs forward hooks from a snapshot on its normal path, so the hook may remove itself
-        there. On its exception path (an error, or checkpoint's early stop) it iterates the dict itself: then the
-        removal waits for the end of the backward pass this recompute belongs to, or, outside backward, for the
-        module's next call."""
+        there. On its exception path (an error, or checkpoint's early stop) it iterates the dict itself: the hook
+        stays on until :meth:`drop_exit`. A torch without the snapshot keeps it on (an exit with nothing in flight
+        does nothing)."""
         if not self.exit_on or not self.snapshot:
-            return
-        if sys.exc_info()[1] is None:
-            self.drop_exit()
-        elif _compat.load().graph_task_id() != -1:
-            _compat.load().queue_backward_callback(lambda: None if replays else self.drop_exit())
+            return True
+        if sys.exc_info()[1] is not None:
+            return False
+        self.drop_exit()
+        return True
 
     def drop_exit(self) -> None:
         """Take the exit hook off now (its key stays reserved)."""

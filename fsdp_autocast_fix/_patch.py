@@ -1,15 +1,15 @@
 """The patch switched on and off: which FSDP states it covers (:mod:`._cover`), and the public calls that put it
 on and take it off.
 
-Invariant: while :func:`apply` is in force every FSDP state is covered (modules sharded later through a wrapt
-wrapper on ``FSDPState.init``, modules sharded earlier through torch's composable-state registry); after
-:func:`remove` only those of :func:`patched_fully_shard` are, and torch is as it was otherwise. Each call checks
-everything before it changes anything.
+Invariant: while :func:`apply` is in force every FSDP state is covered (modules sharded later through the wrapt
+wrapper on ``FSDPState.init``, :mod:`._init_hook`; modules sharded earlier through torch's composable-state
+registry); while any module is covered, FSDPModule's ``register_forward_pre_hook`` is wrapped (:func:`_pre_hook`);
+after :func:`remove` only those of :func:`patched_fully_shard` are, and torch is as it was otherwise. Each call
+checks everything before it changes anything.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import threading
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import wrapt
 
-from . import _cache, _compat, _report
+from . import _cache, _compat, _init_hook, _report
 from ._cover import Cover
 from ._hooks import nn_register_forward_pre_hook
 
@@ -36,39 +36,44 @@ _covers: weakref.WeakValueDictionary[int, Cover] = weakref.WeakValueDictionary()
 
 
 class _Switch:
-    """:func:`apply`'s state, on one object: whether it is in force, with ``force=``, and its wrapt wrapper on
-    ``FSDPState.init`` (made at the first apply, taken off again at remove where nothing wrapped it since)."""
+    """The patch's state, on one object: whether :func:`apply` is in force, with ``force=``, and the wrapt wrapper
+    on ``FSDPModule.register_forward_pre_hook`` (on while any module is covered)."""
 
     applied = False
     force = False
-    init_wrapper: Any = None
+    pre_hook_wrapper: Any = None
 
 
 _switch = _Switch()
 
 
-@functools.wraps(torch.nn.Module.register_forward_pre_hook)
-def _register_forward_pre_hook(self: torch.nn.Module, hook: Any, *args: Any, **kwargs: Any) -> Any:
-    # Installed on FSDPModule while modules are covered: a pre-hook registered with prepend=True runs
-    # before FSDP's, so the patch's lead pre-hook must be placed before it, before the next call.
-    handle = nn_register_forward_pre_hook(self, hook, *args, **kwargs)
+def _pre_hook(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # A pre-hook registered with prepend=True runs before FSDP's, so the patch's lead pre-hook must be placed
+    # before it, before the next call.
+    handle = wrapped(*args, **kwargs)
     if kwargs.get("prepend"):
-        cover = _covers.get(id(_internals().state_of(self)))
+        cover = _covers.get(id(_internals().state_of(instance)))
         for module_cover in cover.modules if cover is not None else ():
-            if module_cover.placement.slots.entry.hooks is self._forward_pre_hooks:  # type: ignore[attr-defined]
-                module_cover.placement.place_lead(self)
+            if module_cover.placement.slots.entry.hooks is instance._forward_pre_hooks:
+                module_cover.placement.place_lead(instance)
     return handle
 
 
-def _intercept_pre_hook_registration(on: bool) -> None:
+def _wrap_pre_hook_registration(on: bool) -> None:
+    """Wrap ``FSDPModule.register_forward_pre_hook`` while modules are covered; unwrap it
+    after, unless someone wrapped it on top of ours since (ours then stays, inert without covered modules)."""
     cls = _internals().fsdp_module_cls
-    installed = cls.__dict__.get("register_forward_pre_hook") is _register_forward_pre_hook
-    if on and not installed:
-        if "register_forward_pre_hook" in cls.__dict__:
+    current = cls.__dict__.get("register_forward_pre_hook")
+    if on and _switch.pre_hook_wrapper is None:
+        if current is not None:
             raise _compat.UnsupportedTorchError("FSDPModule.register_forward_pre_hook", "defined by torch")
-        cls.register_forward_pre_hook = _register_forward_pre_hook  # type: ignore[attr-defined]
-    elif not on and installed:
+        # FSDPModule is a mixin: the wrapped method is the one next in each module's MRO (nn.Module's, or its own)
+        _switch.pre_hook_wrapper = wrapt.FunctionWrapper(nn_register_forward_pre_hook, _pre_hook,
+                                                         enabled=lambda: bool(_covers))
+        setattr(cls, "register_forward_pre_hook", _switch.pre_hook_wrapper)
+    elif not on and current is not None and current is _switch.pre_hook_wrapper:
         del cls.register_forward_pre_hook  # type: ignore[attr-defined]
+        _switch.pre_hook_wrapper = None
 
 
 def _internals() -> _compat.Internals:
@@ -95,22 +100,21 @@ def _cover_state(state: Any, owner: str) -> int:
             cover.owner = _LOCAL  # patched_fully_shard's cover outlives remove()
         return 0
     slots = _slots_of(state)
-    _intercept_pre_hook_registration(True)
+    _wrap_pre_hook_registration(True)
     cover = Cover(state, slots, owner, forced)
     _covers[id(state)] = cover
     return len(cover.modules)
 
 
-def _init_wrapper_fn(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    result = wrapped(*args, **kwargs)
+def _cover_new_state(state: Any) -> None:
+    """After FSDP's init of ``state`` (in ``fully_shard``), while :func:`apply` is in force: cover it."""
     with _lock:
         if _switch.applied:
             try:
-                _cover_state(instance, _GLOBAL)
+                _cover_state(state, _GLOBAL)
             except _compat.UnsupportedTorchError as e:  # FSDP's init has run: let fully_shard finish, stock
                 logger.warning("fsdp_autocast_fix cannot cover %s, which runs without the patch: %s",
-                               ", ".join(type(m).__name__ for m in _compat.modules_of(instance)), e)
-    return result
+                               ", ".join(type(m).__name__ for m in _compat.modules_of(state)), e)
 
 
 def apply(*, force: bool = False) -> bool:
@@ -138,10 +142,9 @@ def apply(*, force: bool = False) -> bool:
         found = [(state, _slots_of(state)) for state in states]  # all checks before any change
         _switch.force = force
         _report.reset()  # the report counts from here
-        if _switch.init_wrapper is None:
-            _switch.init_wrapper = wrapt.wrap_function_wrapper(internals.fsdp_state_cls, "init", _init_wrapper_fn)
+        _init_hook.hold(internals.fsdp_state_cls, _GLOBAL, _cover_new_state)
         _switch.applied = True
-        _intercept_pre_hook_registration(True)
+        _wrap_pre_hook_registration(True)
         retrofitted = 0
         for state, slots in found:
             _covers[id(state)] = cover = Cover(state, slots, _GLOBAL, forced)
@@ -170,20 +173,14 @@ def remove() -> None:
             return
         _switch.applied = False
         _switch.force = False
-        state_cls = _internals().fsdp_state_cls
-        wrapper: Any = _switch.init_wrapper
-        if wrapper is not None and state_cls.__dict__.get("init") is wrapper:
-            setattr(state_cls, "init", getattr(wrapper, "__wrapped__"))
-            _switch.init_wrapper = None
-        else:  # someone wrapped on top of us: stay in place, inert while not applied
-            logger.warning("FSDPState.init was wrapped again after apply(); leaving our inert wrapper in place")
+        _init_hook.release(_GLOBAL)
         for key, cover in list(_covers.items()):
             if cover.owner == _GLOBAL:
                 cover.remove()
                 del _covers[key]
         _cache.forget_freed()
         if not _covers:
-            _intercept_pre_hook_registration(False)
+            _wrap_pre_hook_registration(False)
     logger.info("fsdp_autocast_fix removed")
 
 

@@ -275,14 +275,24 @@ class _Undo:
         if _tls.methods:  # a registered method called in this forward may have unwound without its post-forward
             _drop_unwound()
         if not self.replays:  # a stale registration after an exception: drop it now
-            self.placement.unregister_exit(self.replays)
+            self._let_exit_go()
             return
         replay = self.replays.pop()
         try:
             self._finish(replay, output)
         finally:
             if not self.replays:
-                self.placement.unregister_exit(self.replays)
+                self._let_exit_go()
+
+    def _let_exit_go(self) -> None:
+        """Take the exit hook off once no replay is in flight: now, or where the module's call is unwinding in a
+        backward, when that backward ends (outside backward, at the module's next call)."""
+        if not self.placement.unregister_exit() and _compat.load().graph_task_id() != -1:
+            _compat.load().queue_backward_callback(self._drop_exit_if_idle)
+
+    def _drop_exit_if_idle(self) -> None:
+        if not self.replays:
+            self.placement.drop_exit()
 
     def method_exit(self, replay: Replay, output: Any) -> Any:
         """A registered method's post-forward in a replay it started, after FSDP's: the output cast FSDP's forward

@@ -81,6 +81,67 @@ def test_apply_is_idempotent_and_remove_restores_stock() -> None:
     assert fsdp_autocast_fix.status().covered_modules == 0
 
 
+def test_one_init_wrapper_shared_by_its_holders_and_left_inert_under_a_later_wrapper(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The auto-apply and apply() share one wrapt wrapper on FSDPState.init (_init_hook): on while anyone holds it,
+    off when the last lets go, inert and used again where someone wrapped on top of it meanwhile."""
+    from fsdp_autocast_fix import _init_hook
+
+    for name, value in (("_holders", {}), ("_wrapper", None), ("_state_cls", None)):  # a class of its own
+        monkeypatch.setattr(_init_hook, name, value)
+
+    class State:
+        def init(self, x: int) -> int:
+            return x
+
+    original, seen = State.__dict__["init"], []
+    _init_hook.hold(State, "a", lambda state: seen.append("a"))
+    wrapper = State.__dict__["init"]
+    _init_hook.hold(State, "b", lambda state: seen.append("b"))
+    assert State.__dict__["init"] is wrapper and State().init(3) == 3 and seen == ["a", "b"]
+    _init_hook.release("a")
+    assert State.__dict__["init"] is wrapper and State().init(4) == 4 and seen == ["a", "b", "b"]
+    _init_hook.release("b")
+    assert State.__dict__["init"] is original
+    _init_hook.hold(State, "a", lambda state: seen.append("a"))
+    wrapt.wrap_function_wrapper(State, "init", lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs) + 1)
+    on_top = State.__dict__["init"]
+    _init_hook.release("a")
+    assert State.__dict__["init"] is on_top and State().init(5) == 6 and seen == ["a", "b", "b"]  # ours inert
+    _init_hook.hold(State, "b", lambda state: seen.append("b"))
+    assert State.__dict__["init"] is on_top and State().init(5) == 6 and seen == ["a", "b", "b", "b"]
+    _init_hook.release("b")
+
+
+def test_wrappers_left_under_another_wrapper_stay_inert_and_apply_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Someone wraps FSDPState.init and FSDPModule.register_forward_pre_hook on top of the patch's: remove() leaves
+    the patch's in place, inert (a module sharded then is not covered); apply() again covers through them."""
+    module_cls = _compat.load().fsdp_module_cls
+    fsdp_autocast_fix.apply()
+    _sharded()
+    def passthrough(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        return wrapped(*args, **kwargs)
+    monkeypatch.setattr(_state_cls(), "init", wrapt.FunctionWrapper(_state_cls().__dict__["init"], passthrough))
+    monkeypatch.setattr(module_cls, "register_forward_pre_hook",
+                        wrapt.FunctionWrapper(module_cls.__dict__["register_forward_pre_hook"], passthrough))
+    fsdp_autocast_fix.remove()
+    assert fsdp_autocast_fix.status().covered_modules == 0
+    layer = _sharded()
+    assert not _covered(layer)
+    layer.register_forward_pre_hook(lambda m, a: None, prepend=True)
+    fsdp_autocast_fix.apply()
+    assert _covered(layer) and _covered(_sharded())
+    layer.register_forward_pre_hook(lambda m, a: None, prepend=True)  # the lead goes before it, as without
+    cover = _patch._covers[id(_compat.load().state_of(layer))]
+    assert next(iter(layer._forward_pre_hooks)) == cover.modules[0].placement.lead.id
+    fsdp_autocast_fix.remove()
+    monkeypatch.undo()  # the other wrappers gone, ours are taken off at the next remove()
+    fsdp_autocast_fix.apply()
+    fsdp_autocast_fix.remove()
+    assert not isinstance(_state_cls().__dict__["init"], wrapt.FunctionWrapper)
+    assert "register_forward_pre_hook" not in module_cls.__dict__
+
+
 def test_force_changes_the_cast_replay() -> None:
     needs = _compat.load().needs_cast_replay
     assert fsdp_autocast_fix.apply() is True
