@@ -37,7 +37,7 @@ def _buggy() -> bool:
 
 
 def _grads(*tensors: torch.Tensor, modules: tuple[nn.Module, ...] = ()) -> G.Result:
-    return G.Result(grads=[G._full(t.grad) for t in tensors] + [G._full(p.grad) for m in modules
+    return G.Result(grads=[G.full_grad(t.grad) for t in tensors] + [G.full_grad(p.grad) for m in modules
                                                                   for p in m.parameters()])
 
 
@@ -58,7 +58,7 @@ def _passes(mode: str, history: str, shard: bool = True) -> G.Result:
     PyTorch must not reuse them either (before torch 2.12 they have no autograd history at all).
     """
     torch.manual_seed(0)
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         m, f = G.Block(), G.Block()
         f.requires_grad_(False)
         if shard:
@@ -116,7 +116,7 @@ class _TwoTowers(nn.Module):
 def _towers(mode: str, shard: bool = True) -> G.Result:
     """Text with grad (its output unused), an image eval under ``no_grad``, image with grad, in one region."""
     torch.manual_seed(0)
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         model = _TwoTowers()
         if shard:
             fully_shard(model, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
@@ -171,7 +171,7 @@ def test_the_shield_lasts_from_a_no_grad_call_to_the_next_training_call(end: str
     marks = _compat.load().cache_marks
     assert marks is not None
     seen: list[bool] = []
-    with G._mode("apply") as fully_shard:
+    with G.in_mode("apply") as fully_shard:
         m = G.Block()
         fully_shard(m, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
         state = _compat.load().state_of(m)
@@ -217,7 +217,7 @@ class _SelfEncoder(nn.Module):
 
 def _self_encoder(mode: str, shard: bool = True) -> G.Result:
     torch.manual_seed(0)
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         m = _SelfEncoder()
         if shard:
             fully_shard(m, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
@@ -287,7 +287,7 @@ def _penalty(mode: str, frontend: str) -> G.Result:
     """Two sharded blocks in one checkpointed region that takes a gradient of the first block's output (an
     input-gradient penalty) before calling the second: a backward inside the recompute."""
     torch.manual_seed(0)
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         model = _sharded_stack(mode, fully_shard)
         first, second = model.units
 
@@ -346,7 +346,7 @@ def _encode(mode: str, frontend: str, precision: str, float_first: bool, registe
     torch.manual_seed(0)
     package = _compat.fsdp_package()
     fsdp_autocast_fix.report(reset=True)
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         model = _Encoder(float_first)
         if shard:
             fully_shard(model, mp_policy=package.MixedPrecisionPolicy(**G._policy(precision)))
@@ -409,7 +409,7 @@ def _method_in_forward(mode: str, use_checkpoint: bool = True) -> G.Result:
     recomputed later in the same backward."""
     torch.manual_seed(0)
     package = _compat.fsdp_package()
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         root = nn.Module()
         root.b, root.a = G.Block(), _CallsItsMethod()
         fully_shard(root.b, mp_policy=package.MixedPrecisionPolicy())
@@ -465,7 +465,7 @@ def _nested(mode: str, outer: str, inner: str, use_checkpoint: bool = True) -> t
     Hugging Face-style outer checkpoint), under bf16 autocast, the backward outside it."""
     torch.manual_seed(0)
     fsdp_autocast_fix.report(reset=True)
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         model = _sharded_stack(mode, fully_shard)
         inner_fn = G.frontend_fn(inner if use_checkpoint else "none")
 

@@ -171,7 +171,7 @@ def _self_checkpointing(checkpoint_fn: Callable[..., Any] | None, patch: str) ->
         return G.Result(error=e)
     finally:
         fsdp_autocast_fix.remove()
-    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in model.parameters()])
+    return G.Result(grads=[G.full_grad(x.grad)] + [G.full_grad(p.grad) for p in model.parameters()])
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
@@ -226,7 +226,7 @@ def _two_blocks(fully_shard: Callable[..., Any], **policy: Any) -> nn.Module:
 def _run_two(mode: str, region: Callable[[nn.Module, torch.Tensor], torch.Tensor], use_checkpoint: bool,
              checkpoint_fn: Callable[..., Any], cache: bool = True) -> G.Result:
     torch.manual_seed(0)
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         model = _two_blocks(fully_shard)
         if mode == "late_apply":
             fsdp_autocast_fix.apply()
@@ -237,7 +237,7 @@ def _run_two(mode: str, region: Callable[[nn.Module, torch.Tensor], torch.Tensor
             out.float().pow(2).sum().backward()
         except Exception as e:
             return G.Result(error=e)
-    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in model.parameters()])
+    return G.Result(grads=[G.full_grad(x.grad)] + [G.full_grad(p.grad) for p in model.parameters()])
 
 
 def _b_in_fp32(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -274,7 +274,7 @@ def _run_queries(mode: str, use_checkpoint: bool, cache: bool = True, steps: int
     torch.manual_seed(0)
     policy_cls = _compat.fsdp_package().MixedPrecisionPolicy
     results = []
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         model = _Queries()
         fully_shard(model.block, mp_policy=policy_cls())
         fully_shard(model, mp_policy=policy_cls())
@@ -288,7 +288,7 @@ def _run_queries(mode: str, use_checkpoint: bool, cache: bool = True, steps: int
             with torch.autocast("cpu", dtype=G.BF16, cache_enabled=cache):
                 out = model(use_checkpoint)
             out.float().pow(2).sum().backward()
-            results.append(G.Result(grads=[G._full(p.grad) for p in model.parameters()]))
+            results.append(G.Result(grads=[G.full_grad(p.grad) for p in model.parameters()]))
     return results
 
 
@@ -325,7 +325,7 @@ class _GradForward(torch.autograd.Function):
 def _sharded_block(mode: str) -> Iterator[tuple[nn.Module, torch.Tensor]]:
     """A seeded ``G.Block`` sharded in ``mode`` (fp32 parameters), and an input for it."""
     torch.manual_seed(0)
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         block = G.Block()
         fully_shard(block, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
         if mode == "late_apply":
@@ -343,7 +343,7 @@ def _eval_between(checkpoint_fn: Callable[..., Any], mode: str, use_checkpoint: 
         with torch.no_grad():
             block(x[:] if on_view else x)
         out.float().pow(2).sum().backward()
-    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in block.parameters()])
+    return G.Result(grads=[G.full_grad(x.grad)] + [G.full_grad(p.grad) for p in block.parameters()])
 
 
 @pytest.mark.parametrize("on_view", [False, True])
@@ -407,7 +407,7 @@ def test_the_cast_cache_is_dropped_also_when_only_the_layers_are_covered() -> No
             with torch.no_grad():
                 model(torch.randn(4, G.DIM))
             model(x).float().pow(2).sum().backward()
-        return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in model.parameters()])
+        return G.Result(grads=[G.full_grad(x.grad)] + [G.full_grad(p.grad) for p in model.parameters()])
 
     truth = run(False, cache=False)
     assert run(False).verdict(truth) != "bitwise"  # positive control: parameter gradients None
@@ -420,14 +420,14 @@ def test_unsharded_parameters_around_a_sharded_block_keep_their_gradient_bits() 
     def run(mode: str, shard: bool = True) -> G.Result:
         torch.manual_seed(0)
         proj, block = nn.Linear(G.DIM, G.DIM), G.Block()
-        with G._mode(mode) as fully_shard:
+        with G.in_mode(mode) as fully_shard:
             if shard:
                 fully_shard(block, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
             x = torch.randn(4, G.DIM, requires_grad=True)
             with torch.autocast("cpu", dtype=G.BF16):
                 out = proj(block(proj(x)))
             out.float().pow(2).sum().backward()
-        return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in (*proj.parameters(),
+        return G.Result(grads=[G.full_grad(x.grad)] + [G.full_grad(p.grad) for p in (*proj.parameters(),
                                                                               *block.parameters())])
 
     plain = run("stock", shard=False)
@@ -459,7 +459,7 @@ def _recompute_hazards(mode: str, reentrant: bool, backward: str, monkeypatch: p
     kwargs = {"context_fn": context_fn} if backward == "own_region" else {}
     torch.manual_seed(0)
     model = G.Stack([G.Block(), G.Block()])
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         for unit in model.units:
             fully_shard(unit, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
         if mode == "late_apply":
@@ -476,7 +476,7 @@ def _recompute_hazards(mode: str, reentrant: bool, backward: str, monkeypatch: p
             loss.backward()
         left = bool(_cache._hazards().by_state)
         _cache._reset(_cache._hazards())
-    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in model.parameters()]), made[0], left
+    return G.Result(grads=[G.full_grad(x.grad)] + [G.full_grad(p.grad) for p in model.parameters()]), made[0], left
 
 
 @pytest.mark.parametrize("reentrant, backward", [(False, "outside"), (False, "inside"), (False, "own_region"),
@@ -521,7 +521,7 @@ def _leaky_region_steps(mode: str, use_checkpoint: bool = True) -> G.Result:
 
     lin.register_forward_pre_hook(enter)
     lin.register_forward_hook(leave)
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         for sharded in (unit, block):
             fully_shard(sharded, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
         if mode == "late_apply":
@@ -540,7 +540,7 @@ def _leaky_region_steps(mode: str, use_checkpoint: bool = True) -> G.Result:
             torch.set_autocast_enabled("cpu", before[0])
             torch.set_autocast_dtype("cpu", before[1])
             torch.set_autocast_cache_enabled(before[2])
-    return G.Result(grads=[G._full(x.grad) for x in xs] + [G._full(p.grad) for p in (*unit.parameters(),
+    return G.Result(grads=[G.full_grad(x.grad) for x in xs] + [G.full_grad(p.grad) for p in (*unit.parameters(),
                                                                                       *block.parameters())])
 
 
@@ -566,7 +566,7 @@ def _shared_cast_around_a_bf16_unit(mode: str, frontend: str, history: str, eval
     of stock's, and the patch must not drop the cache (and with it ``proj``'s shared cast) for the unit."""
     torch.manual_seed(0)
     proj, unit = nn.Linear(G.DIM, G.DIM), nn.Sequential(nn.Linear(G.DIM, G.DIM))
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         fully_shard(unit, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy(param_dtype=G.BF16))
         if mode == "late_apply":
             fsdp_autocast_fix.apply()
@@ -580,7 +580,7 @@ def _shared_cast_around_a_bf16_unit(mode: str, frontend: str, history: str, eval
                     with torch.no_grad():
                         unit(torch.randn(4, G.DIM))
                 body(x).float().pow(2).sum().backward()
-    return G.Result(grads=[G._full(x.grad) for x in xs] + [G._full(p.grad) for p in (*proj.parameters(),
+    return G.Result(grads=[G.full_grad(x.grad) for x in xs] + [G.full_grad(p.grad) for p in (*proj.parameters(),
                                                                                       *unit.parameters())])
 
 
@@ -605,7 +605,7 @@ def _same_input_states_interleaved(mode: str, use_checkpoint: bool) -> G.Result:
     calls of the other state)."""
     torch.manual_seed(0)
     unit = nn.Sequential(nn.GELU(), nn.Linear(G.DIM, G.DIM))
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         fully_shard(unit, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())  # fp32: autocast casts
         if mode == "late_apply":
             fsdp_autocast_fix.apply()
@@ -618,7 +618,7 @@ def _same_input_states_interleaved(mode: str, use_checkpoint: bool) -> G.Result:
         with torch.autocast("cpu", dtype=G.BF16, cache_enabled=False):
             c = run(x)
         (a.float().pow(2).sum() + 3 * c.float().pow(2).sum()).backward()
-    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in unit.parameters()])
+    return G.Result(grads=[G.full_grad(x.grad)] + [G.full_grad(p.grad) for p in unit.parameters()])
 
 
 def test_recomputes_of_one_input_replay_their_own_states_around_an_eval_in_another() -> None:
@@ -637,7 +637,7 @@ def _inference_pass_before_backward(mode: str, inference: bool, use_checkpoint: 
     autocast), an eval pass on the very same input under ``inference_mode`` with ``enable_grad`` inside it."""
     torch.manual_seed(0)
     unit = nn.Sequential(nn.Linear(G.DIM, G.DIM))
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         fully_shard(unit, mp_policy=_compat.fsdp_package().MixedPrecisionPolicy())
         if mode == "late_apply":
             fsdp_autocast_fix.apply()
@@ -649,7 +649,7 @@ def _inference_pass_before_backward(mode: str, inference: bool, use_checkpoint: 
             with torch.inference_mode(), torch.enable_grad():
                 unit(x)
         out.float().pow(2).sum().backward()
-    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in unit.parameters()])
+    return G.Result(grads=[G.full_grad(x.grad)] + [G.full_grad(p.grad) for p in unit.parameters()])
 
 
 def test_an_inference_mode_call_under_enable_grad_is_not_taken_for_the_training_call() -> None:
@@ -722,7 +722,7 @@ def _grad_forward_checkpoint(kind: str, mode: str, use_checkpoint: bool = True) 
                 out.float().pow(2).sum().backward()
         if kind == "tensor_hook":
             out.float().pow(2).sum().backward()
-    return G.Result(grads=[G._full(x.grad)] + [G._full(p.grad) for p in block.parameters()])
+    return G.Result(grads=[G.full_grad(x.grad)] + [G.full_grad(p.grad) for p in block.parameters()])
 
 
 @pytest.mark.parametrize("kind", ["tensor_hook", "worker_thread"])

@@ -32,7 +32,7 @@ def _twice(mode: str, frontend: str, reshard: Any = True, prefetch: bool = False
     torch.manual_seed(0)
     package = _compat.fsdp_package()
     fsdp_autocast_fix.report(reset=True)
-    with G._mode(mode) as fully_shard:
+    with G.in_mode(mode) as fully_shard:
         model = G.Outer()
         policy = package.MixedPrecisionPolicy(param_dtype=G.BF16 if bf16 else None)
         fully_shard(model.sub, mp_policy=policy, reshard_after_forward=reshard)
@@ -51,8 +51,8 @@ def _twice(mode: str, frontend: str, reshard: Any = True, prefetch: bool = False
             (out1.float().sum() + out2.float().pow(2).sum()).backward()
         except Exception as e:
             return G.Result(error=e), fsdp_autocast_fix.report()
-        return G.Result(grads=[G._full(x1.grad), G._full(x2.grad)] + [G._full(p.grad) for p in model.parameters()]), \
-            fsdp_autocast_fix.report()
+        grads = [G.full_grad(x1.grad), G.full_grad(x2.grad)] + [G.full_grad(p.grad) for p in model.parameters()]
+        return G.Result(grads=grads), fsdp_autocast_fix.report()
 
 
 def _check(frontend: str, **kwargs: Any) -> None:

@@ -55,9 +55,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import os
 import random
+import typing
 from collections.abc import Iterator
 from dataclasses import astuple, dataclass, fields
 from typing import Any, Callable
@@ -202,11 +204,11 @@ class Cell:
                 and not _compat.load().needs_cast_replay):
             return False  # torch 2.13+: the same, for the second forward, which runs under bf16 with the cache
             # ("aten._to_copy.default invocation index 2 ... not found in storage"), stock or patched
-        if self.topology.startswith("grouped") and not _supported("grouped"):
+        if self.topology.startswith("grouped") and not fsdp_supports("grouped"):
             return False  # torch 2.4: fully_shard takes one module, no fully_shard([a, b])
-        if self.frontend == "selective" and not _supported("selective"):
+        if self.frontend == "selective" and not fsdp_supports("selective"):
             return False  # torch 2.4: no selective activation checkpointing
-        if self.frontend == "composable" and self.signature == "kwargs" and not _supported("composable_kwargs"):
+        if self.frontend == "composable" and self.signature == "kwargs" and not fsdp_supports("composable_kwargs"):
             return False  # torch 2.4: the composable checkpoint's recompute drops keyword arguments
         if self.topology == "grouped_each" and self.region in ("twice", "across"):
             return False  # FSDP2: a module of fully_shard([a, b]) run again before the other one is run once
@@ -355,10 +357,24 @@ if deepspeed_available():
 
 
 @functools.lru_cache(maxsize=None)
-def _supported(feature: str) -> bool:
-    from scenarios import fsdp_supports
+def fsdp_supports(feature: str) -> bool:
+    """Whether this torch has ``feature``: ``grouped`` (``fully_shard`` of a list of modules, 2.5+), one of
+    ``fully_shard``'s keyword arguments (``ignored_params``: 2.7+), ``selective`` (selective activation
+    checkpointing, 2.5+) or ``composable_kwargs`` (the composable checkpoint replays keyword arguments, 2.5+)."""
+    if feature == "selective":  # selective activation checkpointing: torch 2.5+
+        return hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts")
+    if feature == "composable_kwargs":  # the composable checkpoint replays keyword arguments: torch 2.5+
+        from torch.distributed._composable import checkpoint_activation
 
-    return fsdp_supports(feature)
+        return "with_kwargs=True" in inspect.getsource(checkpoint_activation)
+    fully_shard = _compat.fsdp_package().fully_shard
+    parameters = inspect.signature(fully_shard).parameters
+    if feature == "grouped":  # the module argument takes a list (where fully_shard is overloaded, an overload's)
+        overloads = getattr(typing, "get_overloads", lambda f: [])(inspect.unwrap(fully_shard))
+        annotations = [parameters["module"].annotation] + [
+            inspect.signature(overload).parameters["module"].annotation for overload in overloads]
+        return any("list" in str(annotation).lower() for annotation in annotations)
+    return feature in parameters
 
 
 def all_cells() -> list[Cell]:
@@ -885,7 +901,7 @@ class Result:
         return "bitwise" if self.same_as(truth) else "wrong gradients"
 
 
-def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+def full_grad(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None:
         return None
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
@@ -904,7 +920,7 @@ def _inputs(seed: int, signature: str) -> tuple[list[torch.Tensor], list[torch.T
 
 
 @contextlib.contextmanager
-def _mode(mode: str) -> Iterator[Callable[..., Any]]:
+def in_mode(mode: str) -> Iterator[Callable[..., Any]]:
     """The ``fully_shard`` to use in ``mode``, with ``apply()`` in force where the mode says, removed after."""
     fully_shard = _compat.fsdp_package().fully_shard
     try:
@@ -926,7 +942,7 @@ def run(cell: Cell, mode: str, *, cache: bool = True, sharding: str = "fsdp2", s
     weight = torch.randn(DIM, DIM, generator=torch.Generator().manual_seed(seed + 7)) / DIM
     inputs, compared, shared = _inputs(seed, cell.signature)
     policy_cls = _compat.fsdp_package().MixedPrecisionPolicy
-    with _mode(mode) as fully_shard:
+    with in_mode(mode) as fully_shard:
         if cell.frontend == "composable":
             _composable(model, cell.topology)
         if cell.hooks.endswith("before"):
@@ -956,7 +972,7 @@ def run(cell: Cell, mode: str, *, cache: bool = True, sharding: str = "fsdp2", s
         finally:
             for handle in global_hooks:
                 handle.remove()
-    return Result(grads=[_full(x.grad) for x in compared] + [_full(p.grad) for p in model.parameters()])
+    return Result(grads=[full_grad(x.grad) for x in compared] + [full_grad(p.grad) for p in model.parameters()])
 
 
 def _hookable(model: nn.Module, topology: str) -> list[nn.Module]:

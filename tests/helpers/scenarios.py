@@ -8,14 +8,13 @@ A scenario runs in one of these modes:
 * ``late_apply``: ``fsdp_autocast_fix.apply()`` after sharding, before the forward;
 * ``patched_fully_shard``: ``patched_fully_shard`` instead of ``fully_shard``, no global patch.
 
-Needs a process group (world size 1 or more); everything runs on CPU.
+They run on the scenario space's engine (:mod:`grid`): its ``Result``, its switch of modes and its probe of what
+this torch's FSDP supports. Needs a process group (world size 1 or more); everything runs on CPU.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,14 +23,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from grid import BF16, DIM, MODES, Result, fsdp_supports, full_grad, in_mode
+
 import fsdp_autocast_fix
 from fsdp_autocast_fix import _compat
 from fsdp_autocast_fix._probe import NoAutocastRestore
 
-MODES = ("stock", "apply", "late_apply", "patched_fully_shard")
 FIXED_MODES = MODES[1:]
-BF16 = torch.bfloat16
-DIM = 16
 
 
 def _fsdp_package() -> Any:
@@ -88,30 +86,6 @@ class Scenario:
     def broken_stock(self) -> bool:
         needs = _compat.load().needs_cast_replay
         return self.broken_on_buggy_torch if needs else self.broken_on_fixed_torch
-
-
-def fsdp_supports(feature: str) -> bool:
-    """Whether this torch has ``feature``: ``grouped`` (``fully_shard`` of a list of modules, 2.5+), one of
-    ``fully_shard``'s keyword arguments (``ignored_params``: 2.7+), ``selective`` (selective activation
-    checkpointing, 2.5+) or ``composable_kwargs`` (the composable checkpoint replays keyword arguments, 2.5+)."""
-    import inspect
-
-    from fsdp_autocast_fix import _compat as compat
-
-    if feature == "selective":  # selective activation checkpointing: torch 2.5+
-        return hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts")
-    if feature == "composable_kwargs":  # the composable checkpoint replays keyword arguments: torch 2.5+
-        from torch.distributed._composable import checkpoint_activation
-
-        return "with_kwargs=True" in inspect.getsource(checkpoint_activation)
-    fully_shard = compat.fsdp_package().fully_shard
-    parameters = inspect.signature(fully_shard).parameters
-    if feature == "grouped":  # the module argument takes a list (where fully_shard is overloaded, an overload's)
-        overloads = getattr(typing, "get_overloads", lambda f: [])(inspect.unwrap(fully_shard))
-        annotations = [parameters["module"].annotation] + [
-            inspect.signature(overload).parameters["module"].annotation for overload in overloads]
-        return any("list" in str(annotation).lower() for annotation in annotations)
-    return feature in parameters
 
 
 def _shard_root(policy_kwargs: dict[str, Any]) -> Callable[[nn.Module, Callable[..., Any], type], list[nn.Module]]:
@@ -466,46 +440,20 @@ ALL = {name: s for name, s in {**SCENARIOS, **TOPOLOGIES, **FRONT_ENDS}.items()
        if all(fsdp_supports(feature) for feature in s.requires)}
 
 
-@dataclass
-class Result:
-    """Gradients of one run: the input's, then each parameter's (full tensors), or the error raised."""
-
-    grads: list[torch.Tensor] | None = None
-    error: BaseException | None = None
-
-    def same_as(self, other: Result) -> bool:
-        """Bitwise equality of every gradient, dtypes included."""
-        assert self.grads is not None and other.grads is not None
-        return len(self.grads) == len(other.grads) and all(
-            a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(self.grads, other.grads)
-        )
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def run(scenario: Scenario, mode: str, seed: int = 0) -> Result:
     """Run ``scenario`` once in ``mode`` (see the module docstring); never leaves a patch applied."""
-    fully_shard, policy_cls = _fsdp()
     torch.manual_seed(seed)
     model = scenario.build()
     x = torch.randn(4, DIM, requires_grad=True)
-    if mode == "patched_fully_shard":
-        fully_shard = fsdp_autocast_fix.patched_fully_shard
-    guard = fsdp_autocast_fix.patched() if mode == "apply" else contextlib.nullcontext()
-    try:
-        with guard:
-            scenario.shard(model, fully_shard, policy_cls)
-            with fsdp_autocast_fix.patched() if mode == "late_apply" else contextlib.nullcontext():
-                try:
-                    scenario.step(model, x, mode != "reference")
-                except Exception as e:  # the positive control's failure
-                    return Result(error=e)
-    finally:
-        fsdp_autocast_fix.remove()
-    grads = [x.grad] + [_full(p.grad) for p in model.parameters()]
-    return Result(grads=[g.detach().clone() for g in grads])
+    with in_mode(mode) as fully_shard:
+        scenario.shard(model, fully_shard, _compat.fsdp_package().MixedPrecisionPolicy)
+        if mode == "late_apply":
+            fsdp_autocast_fix.apply()
+        try:
+            scenario.step(model, x, mode != "reference")
+        except Exception as e:  # the positive control's failure
+            return Result(error=e)
+    return Result(grads=[full_grad(x.grad)] + [full_grad(p.grad) for p in model.parameters()])
 
 
 def _cell(result: Result, reference: Result) -> str:
