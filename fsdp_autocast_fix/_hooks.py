@@ -17,6 +17,7 @@ per call; :meth:`Placement.remove` puts FSDP's entries back and leaves no hook o
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import sys
@@ -74,8 +75,8 @@ class Placement:
     def place_lead(self, module: torch.nn.Module) -> None:
         """Keep the lead pre-hook first while other pre-hooks run before FSDP's; drop it otherwise.
 
-        Called when the module is covered and whenever a pre-hook is registered with ``prepend=True`` on a
-        covered module (see :func:`fsdp_autocast_fix._patch._register_forward_pre_hook`).
+        Called when the module is covered and whenever a pre-hook is registered on a covered module (see
+        :func:`fsdp_autocast_fix._patch._pre_hook`).
         """
         hooks = module._forward_pre_hooks
         entry_key = self.slots.entry.key
@@ -153,7 +154,8 @@ class Placement:
         self.drop_exit()
 
 
+@functools.wraps(torch.nn.Module.register_forward_pre_hook)  # wrapped by the patch: torch's name, signature, doc
 def nn_register_forward_pre_hook(module: torch.nn.Module, hook: Any, *args: Any, **kwargs: Any) -> Any:
-    """The module's own ``register_forward_pre_hook`` (its class's, or ``nn.Module``'s), not the patch's."""
+    # The module's own register_forward_pre_hook (its class's, or nn.Module's), not the patch's.
     cls: Any = _compat.load().fsdp_module_cls
     return super(cls, module).register_forward_pre_hook(hook, *args, **kwargs)

@@ -6,7 +6,8 @@ settles a pending apply, :func:`~fsdp_autocast_fix.apply` covers the state. So a
 
 Invariant: at most one wrapper of ours is on the class. It is on while anyone holds it, and inert (wrapt's
 ``enabled=``) while no one does. Let go by every holder, it is taken off, unless someone wrapped ``init`` on top of
-it since; then it stays in place, inert, and is used again by the next holder. This module imports nothing of
+it since; then it stays in place, inert, and is used again by the next holder (where it is still in the chain of
+``init``'s wrappers: one taken off by someone else is made anew). This module imports nothing of
 torch: the auto-apply holds it from inside torch's own import.
 """
 
@@ -31,6 +32,19 @@ def _held() -> bool:
     return bool(_holders)
 
 
+def in_chain(found: Any, wrapper: Any) -> bool:
+    """Whether ``wrapper`` is ``found`` or among what it wraps (someone may have put back what they found)."""
+    while found is not None:
+        if found is wrapper:
+            return True
+        found = getattr(found, "__wrapped__", None)
+    return False
+
+
+def _in_chain() -> bool:
+    return _state_cls is not None and in_chain(vars(_state_cls).get("init"), _wrapper)
+
+
 def _after_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     for on_init in list(_holders.values()):  # a holder may let go, or another take hold, meanwhile
@@ -43,7 +57,7 @@ def hold(state_cls: type, holder: str, on_init: Callable[[Any], None]) -> None:
     global _wrapper, _state_cls
     with _lock:
         _holders[holder] = on_init
-        if _wrapper is None:
+        if _wrapper is None or not _in_chain():
             _wrapper = wrapt.FunctionWrapper(vars(state_cls)["init"], _after_init, enabled=_held)
             _state_cls = state_cls
             setattr(state_cls, "init", _wrapper)
@@ -57,6 +71,8 @@ def release(holder: str) -> None:
             return
         if vars(_state_cls).get("init") is _wrapper:
             setattr(_state_cls, "init", _wrapper.__wrapped__)
+            _wrapper = _state_cls = None
+        elif not _in_chain():  # someone took it off already
             _wrapper = _state_cls = None
         else:  # someone wrapped on top of us: stay in place, inert until held again
             logger.warning("FSDPState.init was wrapped again after fsdp_autocast_fix wrapped it; leaving its "

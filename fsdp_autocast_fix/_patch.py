@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import wrapt
 
-from . import _cache, _compat, _init_hook, _report
+from . import _autoapply, _cache, _compat, _init_hook, _report
 from ._cover import Cover
 from ._hooks import nn_register_forward_pre_hook
 
@@ -48,14 +48,13 @@ _switch = _Switch()
 
 
 def _pre_hook(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    # A pre-hook registered with prepend=True runs before FSDP's, so the patch's lead pre-hook must be placed
-    # before it, before the next call.
+    # A pre-hook that lands before FSDP's (prepend=True, maybe added by the module's own override) runs before
+    # it, so the patch's lead pre-hook must be placed before it, before the next call.
     handle = wrapped(*args, **kwargs)
-    if kwargs.get("prepend"):
-        cover = _covers.get(id(_internals().state_of(instance)))
-        for module_cover in cover.modules if cover is not None else ():
-            if module_cover.placement.slots.entry.hooks is instance._forward_pre_hooks:
-                module_cover.placement.place_lead(instance)
+    cover = _covers.get(id(_internals().state_of(instance)))
+    for module_cover in cover.modules if cover is not None else ():
+        if module_cover.placement.slots.entry.hooks is instance._forward_pre_hooks:
+            module_cover.placement.place_lead(instance)
     return handle
 
 
@@ -64,9 +63,12 @@ def _wrap_pre_hook_registration(on: bool) -> None:
     after, unless someone wrapped it on top of ours since (ours then stays, inert without covered modules)."""
     cls = _internals().fsdp_module_cls
     current = cls.__dict__.get("register_forward_pre_hook")
+    if not _init_hook.in_chain(current, _switch.pre_hook_wrapper):  # never made, or someone took it off
+        _switch.pre_hook_wrapper = None
     if on and _switch.pre_hook_wrapper is None:
         if current is not None:
-            raise _compat.UnsupportedTorchError("FSDPModule.register_forward_pre_hook", "defined by torch")
+            raise _compat.UnsupportedTorchError("FSDPModule.register_forward_pre_hook",
+                                                "already defined on the class (by torch or another library)")
         # FSDPModule is a mixin: the wrapped method is the one next in each module's MRO (nn.Module's, or its own)
         _switch.pre_hook_wrapper = wrapt.FunctionWrapper(nn_register_forward_pre_hook, _pre_hook,
                                                          enabled=lambda: bool(_covers))
@@ -120,7 +122,8 @@ def _cover_new_state(state: Any) -> None:
 def apply(*, force: bool = False) -> bool:
     """Patch process-wide: every module sharded with ``fully_shard``, before or after this call.
 
-    Idempotent. Returns True if it changed anything (first call, or a new ``force``).
+    Idempotent. Returns True if it changed anything (first call, or a new ``force``). It settles a pending
+    auto-apply (``FSDP_AUTOCAST_FIX=1``): the call's own ``force`` holds.
     On a torch whose recompute already casts (2.13+), the cast replay is left to torch
     unless ``force=True`` (then every covered module replays the casts while the patch is in
     force, ``patched_fully_shard``'s too); the per-call autocast replay and the autocast
@@ -131,6 +134,7 @@ def apply(*, force: bool = False) -> bool:
             nothing is patched.
     """
     internals = _internals()
+    _autoapply.cancel()  # the user's own call settles a pending auto-apply
     with _lock:
         if _switch.applied and force == _switch.force:
             return False
@@ -140,11 +144,11 @@ def apply(*, force: bool = False) -> bool:
             return True
         states = [s for s in internals.all_states() if id(s) not in _covers]
         found = [(state, _slots_of(state)) for state in states]  # all checks before any change
+        _wrap_pre_hook_registration(True)  # the last check (it raises before it changes anything)
         _switch.force = force
         _report.reset()  # the report counts from here
         _init_hook.hold(internals.fsdp_state_cls, _GLOBAL, _cover_new_state)
         _switch.applied = True
-        _wrap_pre_hook_registration(True)
         retrofitted = 0
         for state, slots in found:
             _covers[id(state)] = cover = Cover(state, slots, _GLOBAL, forced)
@@ -166,8 +170,9 @@ def remove() -> None:
     """Undo everything :func:`apply` did, modules it retrofitted included.
 
     Modules sharded with :func:`patched_fully_shard` stay covered. A no-op when
-    nothing is applied.
+    nothing is applied, but for dropping a pending auto-apply.
     """
+    _autoapply.cancel()  # the user's own call settles a pending auto-apply
     with _lock:
         if not _switch.applied:
             return

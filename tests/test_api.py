@@ -142,6 +142,85 @@ def test_wrappers_left_under_another_wrapper_stay_inert_and_apply_again(monkeypa
     assert "register_forward_pre_hook" not in module_cls.__dict__
 
 
+def test_apply_that_raises_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Something already defines FSDPModule.register_forward_pre_hook: apply() raises, and leaves nothing on (no
+    init wrapper, not applied), so the next apply() raises too instead of claiming the patch is in force."""
+    module_cls = _compat.load().fsdp_module_cls
+    monkeypatch.setattr(module_cls, "register_forward_pre_hook", nn.Module.register_forward_pre_hook, raising=False)
+    for _ in range(2):
+        with pytest.raises(UnsupportedTorchError, match="register_forward_pre_hook"):
+            fsdp_autocast_fix.apply()
+        assert not fsdp_autocast_fix.status().patched_globally
+        assert not isinstance(_state_cls().__dict__["init"], wrapt.FunctionWrapper)
+
+
+def test_a_pending_auto_apply_yields_to_the_users_own_calls() -> None:
+    """FSDP_AUTOCAST_FIX=1 left an apply pending (until the first FSDPState.init): the user's apply(force=True)
+    settles it (the first fully_shard keeps force=True), and so does remove() (nothing applied after it)."""
+    from fsdp_autocast_fix import _autoapply
+
+    for user_call in ("apply_forced", "remove"):
+        _autoapply._pending = True
+        _autoapply._wait_for_init()
+        if user_call == "apply_forced":
+            fsdp_autocast_fix.apply(force=True)
+        else:
+            fsdp_autocast_fix.remove()
+        layer = _sharded()
+        assert not _autoapply._pending
+        assert _patch.forced() is (user_call == "apply_forced")
+        assert _covered(layer) is (user_call == "apply_forced")
+        fsdp_autocast_fix.remove()
+        assert not isinstance(_state_cls().__dict__["init"], wrapt.FunctionWrapper)
+
+
+def test_init_wrapper_taken_off_by_someone_else_is_made_anew() -> None:
+    """A tool that puts back the init it found (mock.patch.object around apply()) takes the patch's wrapper off, and
+    someone deletes its pre-hook registration wrapper: the next apply() makes both anew, and covers what is sharded
+    after it, the lead pre-hook kept first."""
+    from unittest import mock
+
+    raw = _state_cls().__dict__["init"]
+    module_cls = _compat.load().fsdp_module_cls
+    with mock.patch.object(_state_cls(), "init", lambda self, *a, **k: raw(self, *a, **k)):
+        fsdp_autocast_fix.apply()  # our init wrapper goes under mock's, and with it when mock puts init back
+        _sharded()
+    del module_cls.register_forward_pre_hook  # and someone takes the pre-hook wrapper off too
+    fsdp_autocast_fix.remove()
+    fsdp_autocast_fix.apply()
+    layer = _sharded()
+    assert _covered(layer)
+    layer.register_forward_pre_hook(lambda module, args: None, prepend=True)
+    lead = _patch._covers[id(_compat.load().state_of(layer))].modules[0].placement.lead
+    assert lead is not None and next(iter(layer._forward_pre_hooks)) == lead.id
+    fsdp_autocast_fix.remove()
+    assert _state_cls().__dict__["init"] is raw and "register_forward_pre_hook" not in module_cls.__dict__
+
+
+def test_pre_hook_registration_looks_like_torchs_and_keeps_the_lead_first() -> None:
+    """While modules are covered, FSDPModule.register_forward_pre_hook keeps torch's name and signature, calls a
+    module class's own override, and puts the lead pre-hook first wherever the new hook landed before FSDP's
+    (prepend=True given by the caller, or added by the override)."""
+    fully_shard, policy_cls = S._fsdp()
+    stock = _sharded().register_forward_pre_hook
+
+    class Prepending(S.GeluLinear):
+        def register_forward_pre_hook(self, hook: Any, **kwargs: Any) -> Any:
+            return super().register_forward_pre_hook(hook, **{**kwargs, "prepend": True})
+
+    fsdp_autocast_fix.apply()
+    for layer, kwargs in ((_sharded(), {"prepend": True}), (Prepending(), {})):
+        if isinstance(layer, Prepending):
+            fully_shard(layer, mp_policy=policy_cls(param_dtype=S.BF16))
+        registered = layer.register_forward_pre_hook
+        assert registered.__name__ == stock.__name__
+        assert inspect.signature(registered) == inspect.signature(stock)
+        registered(lambda module, args: None, **kwargs)
+        lead = _patch._covers[id(_compat.load().state_of(layer))].modules[0].placement.lead
+        assert lead is not None and next(iter(layer._forward_pre_hooks)) == lead.id
+    fsdp_autocast_fix.remove()
+
+
 def test_force_changes_the_cast_replay() -> None:
     needs = _compat.load().needs_cast_replay
     assert fsdp_autocast_fix.apply() is True
