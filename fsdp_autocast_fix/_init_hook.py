@@ -13,6 +13,7 @@ torch: the auto-apply holds it from inside torch's own import.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from typing import Any, Callable
@@ -34,11 +35,7 @@ def _held() -> bool:
 
 def in_chain(found: Any, wrapper: Any) -> bool:
     """Whether ``wrapper`` is ``found`` or among what it wraps (someone may have put back what they found)."""
-    while found is not None:
-        if found is wrapper:
-            return True
-        found = getattr(found, "__wrapped__", None)
-    return False
+    return found is not None and inspect.unwrap(found, stop=lambda f: f is wrapper) is wrapper
 
 
 def _in_chain() -> bool:
