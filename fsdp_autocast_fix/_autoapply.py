@@ -1,17 +1,15 @@
 """Auto-apply for training scripts that cannot be edited: a one-line ``.pth`` file and an environment variable.
 
-``python -m fsdp_autocast_fix autoapply install`` writes ``fsdp_autocast_fix_autoapply.pth`` into
-site-packages. At interpreter start it reads ``FSDP_AUTOCAST_FIX``; only when that is set (``1``, ``true``,
-``yes``, ``on``) does it import ``wrapt`` and register :func:`on_fsdp_import` as a post-import hook for
-``torch.distributed.fsdp``. Nothing else is imported at start, and nothing happens without the variable.
+``python -m fsdp_autocast_fix autoapply install`` writes ``fsdp_autocast_fix_autoapply.pth`` into site-packages.
+At interpreter start it reads ``FSDP_AUTOCAST_FIX``; only when that is set (``1``, ``true``, ``yes``, ``on``)
+does it import ``wrapt`` and register :func:`on_fsdp_import` as a post-import hook for ``torch.distributed.fsdp``.
+Nothing else is imported at start, and nothing happens without the variable.
 
-The hook runs inside whatever import brought FSDP in, which may be torch's own (``torch._dynamo`` imports
-FSDP while it is half initialised) or this package's. So it applies the patch only when no import of torch
-or of this package is under way, and otherwise leaves it pending until the first of: the first
-``FSDPState.init`` (the first ``fully_shard`` call, seen through the package's one wrapper on it,
-:mod:`._init_hook`; the patch then covers that state before ``fully_shard`` returns),
-:func:`fsdp_autocast_fix.status`, or the ``doctor``. It never raises: where the patch cannot be
-applied (an unsupported torch), it logs one warning and training runs on stock torch.
+The hook runs inside whatever import brought FSDP in, which may be torch's own (``torch._dynamo`` imports FSDP
+while half initialised) or this package's. So it applies the patch only when no such import is under way, and
+otherwise leaves it pending until the first ``FSDPState.init`` (through :mod:`._init_hook`, so that state is
+covered before ``fully_shard`` returns), :func:`fsdp_autocast_fix.status`, or the ``doctor``. It never raises:
+where the patch cannot be applied, it logs one warning and training runs on stock torch.
 """
 
 from __future__ import annotations
@@ -61,12 +59,8 @@ def on_fsdp_import(module: Any) -> None:
 
 
 def settle(importing: str | None = None) -> bool:
-    """Apply a pending auto-apply unless an import of torch or of this package is under way.
-
-    ``importing`` names a module whose import is finishing (the hook's trigger) and may be ignored.
-    Returns False while the apply must wait, True once nothing is pending. Never raises: if the patch
-    cannot be applied, one warning is logged and torch stays stock.
-    """
+    """Apply a pending auto-apply unless an import of torch or of this package is under way (``importing``, the
+    hook's trigger, is finishing and ignored). False while the apply must wait, True once nothing is pending."""
     global _pending
     with _lock:
         if not _pending:

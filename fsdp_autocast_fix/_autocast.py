@@ -1,8 +1,8 @@
 """The autocast state as plain scalars: read it, enter it, leave it.
 
-Invariant: :func:`capture` returns a value that compares equal exactly when the autocast state (enabled and dtype
-per device type given, and the cache flag) is the same, holds no tensor, and :class:`Entered` of it sets that state
-until it is released (:class:`Entered`), which restores the one before, as ``torch.autocast`` does.
+Invariant: :func:`capture` returns a value that holds no tensor and compares equal exactly when the autocast state
+(enabled and dtype per device type given, and the cache flag) is the same; :class:`Entered` enters it as
+``torch.autocast`` does.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ class Entered:
     """An autocast state entered as ``torch.autocast`` enters it, that can pause between the calls it covers.
 
     Invariant: from construction to :meth:`release`, autocast's nesting count on this thread is one higher per
-    device type, so the casts cached under it survive a :meth:`pause` (the state before it back) and are found
-    again after :meth:`resume`; :meth:`release` leaves the state as before (``restore``) or as it is (after an
-    interrupt: the autograd engine restored it), and where the count returns to zero drops the cached casts
-    and restores the cache flag, as leaving ``torch.autocast`` does.
+    device type, so the casts cached under it survive a :meth:`pause` and are found again after :meth:`resume`.
+    :meth:`release` puts the state from before back (``restore``) or leaves it (after an interrupt, autograd
+    restored it); where the count returns to zero it drops the cached casts and restores the cache flag, as leaving
+    ``torch.autocast`` does.
     """
 
     __slots__ = ("state", "before", "device_types", "thread", "active")
@@ -84,7 +84,7 @@ class Entered:
             self.active = True
 
     def release(self, restore: bool = False) -> None:
-        """Leave the state for good (see the class docstring)."""
+        """Leave the state for good."""
         if restore and self.active:
             _write(self.before, self.device_types)
         self.active = False

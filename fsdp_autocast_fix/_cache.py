@@ -1,48 +1,42 @@
 """When autocast's cached casts are kept out, or dropped (pytorch issue 158232).
 
-Autocast caches the low-precision cast of each parameter it casts until its outermost region ends, and FSDP2
-runs every forward on the same unsharded parameter tensors. A cast cached by one pass and reused by a later
-pass whose backward runs on its own loses that pass's parameter gradients: before torch 2.12 a cast made under
-``no_grad`` has no autograd history at all, and in any torch the reused cast's backward node is older than
-FSDP's post-backward hook of the pass that reuses it, so its gradient reaches the parameter after FSDP has
-reduced the gradients. Autocast caches a cast only of a float32 leaf that requires grad, so only such
-parameters are at stake (:func:`caches_parameters` for the policy's dtype, :func:`trainable_casts` for
-``requires_grad`` at the call). Two kinds of pass make such casts, and the patch sees both:
+Autocast caches the cast of each float32 leaf that requires grad until its outermost region ends, and FSDP2 runs
+every forward on the same unsharded parameters. A cast cached by one pass and reused by a later pass whose
+backward runs on its own loses that pass's parameter gradients: before torch 2.12 a cast made under ``no_grad``
+has no autograd history, and in any torch the reused cast's backward runs after FSDP's post-backward hook of that
+pass reduced the gradients. Two kinds of covered call make such casts:
 
-* a covered module's call under ``no_grad`` (an eval pass, a reentrant checkpoint's forward) is **shielded**
-  (:func:`shield`): its gathered parameters carry torch's own mark for tensors whose casts autocast must neither
-  read from nor write to its cache, so it caches nothing, and casts a grad-enabled pass cached before it stay
-  there for the passes after it, exactly as without the eval;
-* a covered module's recompute in one backward (graph task): its casts are a hazard for the module's calls
-  outside that backward (a second backward with ``retain_graph``, the next forward in the same region), unless
-  they are dropped before this thread runs anything outside it: a recompute run by ``torch.utils.checkpoint``
-  (either mode) inside its own autocast regions and no other (autocast's nesting count is theirs alone) loses
-  its casts when the checkpoint leaves them, so nothing is noted there (:func:`_dies_with_region`), unless the
-  end of that backward finds the nesting count above zero on the thread (a region the recompute left open):
-  then they are noted (:func:`_verify`). A function checkpointed through
-  :func:`fsdp_autocast_fix.preserve_autocast` whose forward runs under ``no_grad`` notes a hazard for every
-  state (its casts may be of parameters no covered call gathers).
+* A call under ``no_grad`` (an eval pass, a reentrant checkpoint's forward) is *shielded* (:func:`shield`): its
+  gathered parameters carry torch's mark that keeps a tensor's casts out of autocast's cache
+  (:class:`~._compat.CacheMarks`), so it neither caches a cast nor reuses one. Where this torch's autocast does not
+  honour the marks, the call notes a hazard instead.
+* A recompute in a backward notes a *hazard* for its FSDP state: its casts must not reach the state's calls outside
+  that backward (a second backward with ``retain_graph``, the next forward in the same region). Unless
+  ``torch.utils.checkpoint`` runs it inside its own autocast regions and no other: leaving them clears the cache
+  (:func:`_dies_with_region`, checked at the backward's end by :func:`_verify`).
 
-Invariant: the patch drops the cache before a grad-enabled call of a covered module under autocast (ordinary or
-recomputed, or a function checkpointed through :func:`fsdp_autocast_fix.preserve_autocast`) exactly when such
-a hazard was noted for that module's FSDP state and the cache still holds what it held then; nowhere else. So
-the sharded calls of one forward, of one checkpointed region and of its recompute, the forward passes of one
-region, and modules other than the one with the hazard (a frozen teacher run under ``no_grad``, a reference
-model) share their casts as plain autocast shares them. Whether the cache still holds what it held is told by a
-sentinel: an empty (zero-element, so allocation-free) cast of the patch's own, cached beside the casts of the first
-hazard and held by a weak reference; it is alive exactly as long as autocast's cache holds it, so it dies with
-the region end that clears the cache (a backward outside autocast ends the forward's region: nothing is at stake
-then, and nothing is dropped). A hazard
-noted at the end of a backward (:func:`_verify`) gets no sentinel where autocast is off then: the cache is
-assumed to hold its casts, and the next call it applies to drops it.
+A function checkpointed through :func:`fsdp_autocast_fix.preserve_autocast` whose forward runs under ``no_grad``
+notes a hazard for every state (its casts may be of parameters no covered call gathers).
 
-Two forward passes of one module in one autocast region backwarded separately without a checkpoint are left
-to torch: no pass of the patch's runs between them, and whether they will be backwarded together (then sharing
-is exact) is not known at the second forward.
+Invariants:
 
-Autocast's cache is the process's (a region's end on any thread empties it) and its nesting count the thread's;
-this bookkeeping is the thread's, so a hazard noted on one thread is not seen by another thread's calls (where
-autograd recomputes on a device thread of its own: see docs/how-it-works.md).
+* A state's parameters are marked from its ``no_grad`` call until the state's next covered grad-enabled call under
+  autocast with the cache on (before it casts anything), the end of the registered method's call that marked
+  them, or the patch's removal. So casts a grad-enabled pass cached before an eval stay for the passes after it.
+  The process-wide flag that makes marks count is turned on with the first mark and left on: CUDA graph trees use
+  it too, and with nothing marked it changes no result.
+* The cache is dropped before a grad-enabled call under autocast (covered, or checkpointed through
+  ``preserve_autocast``) exactly when a hazard for its FSDP state (or every state) was noted under ``no_grad`` or
+  in another backward, and the cache still holds what it held then; nowhere else. So the calls of one forward,
+  of one region and its recompute, and other modules (a frozen teacher) share casts as plain autocast does. A
+  *sentinel* tells whether the cache still holds it: an empty cast of the patch's own, cached beside the first
+  hazard's casts and held by a weak reference, dies with the region end that clears the cache.
+
+A state whose parameters are all-gathered in another dtype has no cached casts, so no hazard
+(:func:`caches_parameters`, :func:`trainable_casts`). Two forward passes of one module in one region, backwarded
+separately without a checkpoint, are left to torch: whether they will be backwarded together (then sharing is
+exact) is not known at the second forward. This bookkeeping is per thread while autocast's cache is the process's:
+a hazard noted on one thread is not seen on another (docs/how-it-works.md).
 """
 
 from __future__ import annotations
@@ -69,11 +63,12 @@ def _same(t: Any) -> Any:
 
 
 class _Hazards:
-    """This thread's hazards since the last drop: FSDP state key -> the graph task that made the casts (-1: a
-    ``no_grad`` call, a hazard for every later grad-enabled call); the sentinel cast of the cache's lifetime then
-    (``lifetime``); and the recomputes whose hazards were not noted because their casts die with the checkpoint's
-    regions (state key -> graph task and device types), until the end of their backward tells (:func:`_verify`;
-    after a backward that raised, the end of the next one that skips)."""
+    """This thread's hazards since the last drop.
+
+    ``by_state``: FSDP state key -> the graph task that made the casts (-1: under ``no_grad``); ``lifetime``: the
+    sentinel of the cache's lifetime then; ``skipped``: recomputes left unnoted by :func:`_dies_with_region` (state
+    key -> graph task and device types), until :func:`_verify` at the end of their backward (after a backward that
+    raised, at the end of the next one that skips)."""
 
     __slots__ = ("by_state", "lifetime", "skipped", "verifying")
 
@@ -93,23 +88,19 @@ def _hazards() -> _Hazards:
 
 
 def caches_parameters(param_dtype: Any, modules: list[torch.nn.Module]) -> bool:
-    """Whether autocast's cache can hold casts of the unsharded parameters of an FSDP state with the policy's
-    ``param_dtype`` over ``modules``: autocast caches only the casts of float32 leaves that require grad, so a
-    state whose parameters are all-gathered in another dtype (bf16 parameters, say) never has a cast cached and
-    never a hazard (its calls neither note nor drop: dropping the cache for it would only take other modules'
-    shared casts). Without a ``param_dtype``, the modules' own parameters tell (those of nested sharded modules
-    included: at worst a hazard too many, never one too few). Parameters FSDP does not manage
-    (``ignored_params``) are left to autocast, as any unsharded module's are."""
+    """Whether autocast can cache casts of the unsharded parameters of an FSDP state with this ``param_dtype``
+    over ``modules``: they are float32 once all-gathered. If not, the state's calls neither note nor drop (a drop
+    would only take other modules' shared casts). Without a ``param_dtype`` the modules' parameters tell, nested
+    sharded modules' included (at worst a hazard too many). Parameters FSDP does not manage (``ignored_params``)
+    are left to autocast."""
     if param_dtype is not None:
         return param_dtype == torch.float32  # type: ignore[no-any-return]
     return any(p.dtype == torch.float32 for module in modules for p in module.parameters())
 
 
 def trainable_casts(param_dtype: Any, parameters: list[torch.Tensor] | None) -> bool:
-    """Whether autocast may cache a cast of one of an FSDP state's parameters now: one that requires grad and
-    is float32 once all-gathered (``param_dtype``, where the policy sets one, for floating-point parameters; else
-    its own dtype). ``parameters``: the state's sharded parameters, or None where this torch does not say (then
-    yes: at worst a hazard too many)."""
+    """Whether autocast may cache a cast of one of an FSDP state's sharded ``parameters`` now: one requires grad and
+    is float32 once all-gathered. True where ``parameters`` is None (this torch does not say)."""
     if parameters is None:
         return True
     return any(p.requires_grad and (param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype)
@@ -118,14 +109,13 @@ def trainable_casts(param_dtype: Any, parameters: list[torch.Tensor] | None) -> 
 
 def before_call(state: Any, task: int, grad: bool, device_types: tuple[str, ...], owner: str,
                 trainable: Any) -> None:
-    """The cast-cache decision for a covered call of ``state`` under autocast with the cache on (see the module
-    docstring), before FSDP's pre-forward: in graph task ``task`` (-1 outside backward), with grad enabled or
-    not; ``trainable()`` tells whether the state has parameters autocast caches now (:func:`trainable_casts`),
-    asked only where it matters.
+    """The cache decision for a covered call of ``state`` under autocast with the cache on, before FSDP's
+    pre-forward. ``task``: its graph task (-1 outside backward); ``trainable()``: :func:`trainable_casts` for the
+    state, asked only where it matters.
 
-    A ``no_grad`` call is shielded after FSDP's pre-forward (:func:`shield`; where this torch's autocast does not
-    honour the marks, it notes a hazard instead); a grad-enabled call first takes its state's shield off, drops
-    the cache where a hazard applies, then, in a recompute, notes its casts."""
+    A ``no_grad`` call is shielded after FSDP's pre-forward (:func:`shield`), or notes a hazard where the marks do
+    not work. A grad-enabled call takes its state's marks off, drops the cache where a hazard applies
+    (:func:`check`), then, in a recompute, notes its own casts."""
     if not grad:
         if _compat.load().cache_marks is None and trainable():
             note(state, -1, device_types)
@@ -142,11 +132,12 @@ def before_call(state: Any, task: int, grad: bool, device_types: tuple[str, ...]
 
 
 class _Marks:
-    """The marks :func:`shield` put on one FSDP state's gathered parameters: weak references to them, and to the
-    state's cover (``owner``: its key, an ``id``, may be another cover's once it is freed); the registered method
-    call that put them (``caller``: its frame, whose post-forward takes them off; None for a forward call); and
-    the sentinel of the cache's lifetime then (``lifetime``, see :func:`_sentinel_cast`: for the report, which
-    counts a shield only where a grad-enabled call came in the same lifetime)."""
+    """The marks :func:`shield` put on one FSDP state's gathered parameters (weak references).
+
+    ``owner``: a weak reference to the state's cover (the state key is its ``id``, which another cover may take
+    once it is freed); ``caller``: the registered method's frame, None for a forward call; ``lifetime``: the
+    sentinel then (:func:`_sentinel_cast`), as the report counts a shield only where a grad-enabled call came in the
+    same lifetime."""
 
     __slots__ = ("owner", "parameters", "caller", "lifetime")
 
@@ -163,19 +154,9 @@ _shielded: dict[Any, _Marks] = {}
 
 def shield(state: Any, owner: Any, parameters: list[torch.Tensor], device_types: tuple[str, ...],
            caller: Any = None) -> None:
-    """A covered call of ``state`` (``owner``: its cover, on ``device_types``; ``caller``: the frame of a
-    registered method's call) under ``no_grad``, autocast on with the cache, right after FSDP's pre-forward
-    gathered ``parameters``: mark those autocast would cache (float32 leaves that require grad) with torch's own
-    mark for tensors whose casts must not be cached (:class:`~._compat.CacheMarks`), so that the call neither
-    caches a cast without grad (which a later grad-enabled call would reuse, cut off from the parameter, or
-    backward after FSDP's post-backward hook) nor reads one (it makes its own, as plain autocast would where
-    nothing was cached). Casts a grad-enabled pass cached stay in the cache untouched, for the passes after.
-
-    Invariant: a state's parameters are marked from its ``no_grad`` call to the end of that call where it is a
-    registered method's (:func:`end_of_method`), else to the state's next covered grad-enabled call under
-    autocast with the cache on, which takes the marks off before it casts anything (:func:`unshield`), or to the
-    patch's removal; never otherwise. torch's process-wide flag for the marks is turned on with the first and left
-    on: CUDA graph trees rely on it too, and with nothing marked it changes no result."""
+    """Mark the ``parameters`` FSDP's pre-forward just gathered for a ``no_grad`` call of ``state`` under autocast
+    with the cache on: those autocast would cache (float32 leaves that require grad). ``owner``: the state's cover;
+    ``caller``: a registered method's frame, whose post-forward takes the marks off (:func:`end_of_method`)."""
     marked = _shielded.get(state)
     if marked is not None:
         if marked.owner() is owner:
@@ -186,7 +167,7 @@ def shield(state: Any, owner: Any, parameters: list[torch.Tensor], device_types:
     if marks is None or not chosen:
         return
     forget_freed()
-    marks.enable(True)  # and left on (see the invariant)
+    marks.enable(True)  # and left on (see the module docstring)
     mine = [p for p in chosen if not marks.marked(p)]
     for parameter in mine:
         marks.add(parameter)
@@ -201,9 +182,9 @@ def end_of_method(state: Any, caller: Any) -> None:
 
 
 def unshield(state: Any, owner: str | None = None) -> None:
-    """Take the marks :func:`shield` put on ``state``'s parameters off (a parameter freed since left its mark on
-    an object torch keeps only weakly, at no address a new tensor can take); ``owner``: the module class whose
-    grad-enabled call does so, for the report."""
+    """Take :func:`shield`'s marks off ``state``'s parameters. A parameter freed since leaves its mark on an object
+    torch holds weakly, at no address a new tensor can take. ``owner``: the module class whose call does so, for
+    the report."""
     marked = _shielded.pop(state, None)
     if marked is None:
         return
@@ -235,16 +216,15 @@ def _alive(hazards: _Hazards) -> Any:
 
 
 def note(state: Any, task: int, device_types: tuple[str, ...], shortcut: bool = True) -> None:
-    """A covered call of ``state`` under autocast with the cache on made casts that are a hazard: under
-    ``no_grad`` (``task`` -1: a function checkpointed through ``preserve_autocast``, or a call where the shield is
-    not available), or in the recompute of graph task ``task`` (``shortcut``: unless they die with
-    the checkpoint's regions)."""
+    """Note a hazard for ``state``: casts made under ``no_grad`` (``task`` -1: a ``preserve_autocast`` function, or
+    a call where the marks do not work) or in the recompute of graph task ``task``. ``shortcut``: skip a recompute
+    whose casts die with the checkpoint's regions (:func:`_dies_with_region`)."""
     global active
     hazards = _hazards()
     by_state = hazards.by_state
     _alive(hazards)  # a cleared cache: the hazards noted before are gone
-    if by_state.get(state) == -1:  # a no_grad hazard for this state, still cached: it outranks any other,
-        return  # so nothing changes (an eval pass notes on every call: this is its path)
+    if by_state.get(state) == -1:  # a no_grad hazard outranks any other (an eval pass notes one per call)
+        return
     if not by_state:
         if shortcut and task != -1 and _dies_with_region():
             _skip(hazards, state, task, device_types)
@@ -257,13 +237,10 @@ def note(state: Any, task: int, device_types: tuple[str, ...], shortcut: bool = 
 
 
 def _dies_with_region() -> bool:
-    """Whether the casts a recompute makes now will be dropped before this thread runs anything outside its
-    backward (checked at its end by :func:`_verify`).
-
-    True where ``torch.utils.checkpoint``'s recompute (either mode) runs the call inside its own autocast regions
-    and no other region is open: leaving its outermost one takes autocast's nesting count to zero, which drops the
-    cache (``torch.autocast``'s exit), and the recompute's code runs inside those regions. (Where a region spans
-    the backward, the count is higher and the hazard is noted: the casts outlive the backward.)"""
+    """Whether the casts a recompute makes now are dropped before this thread runs anything outside its backward:
+    ``torch.utils.checkpoint``'s recompute (either mode) runs the call inside its own autocast regions and no other
+    region is open, so leaving them takes autocast's nesting count to zero, which clears the cache. A region
+    spanning the backward raises the count: then the casts outlive the backward."""
     depth = _autocast.nesting()
     return depth <= 2 and _compat.torch_recompute_regions() == depth
 
@@ -277,10 +254,10 @@ def _skip(hazards: _Hazards, state: Any, task: int, device_types: tuple[str, ...
 
 
 def _verify(hazards: _Hazards, thread: int) -> None:
-    """The end of a backward whose recomputes' hazards were skipped: where autocast's nesting count is not back at
-    zero on their thread, a region opened in a recompute was left open (an early stop skipping the hook that
-    leaves it, say), so the cache was not emptied by it and may still hold their casts: note them now. (On
-    another thread the count cannot be read; the skip stands.)"""
+    """At the end of a backward whose recomputes' hazards were skipped: where autocast's nesting count is not back
+    at zero on their thread, a region a recompute opened was left open (an early stop skipped the hook that leaves
+    it), so the cache may still hold their casts: note them now. On another thread the count cannot be read, and
+    the skip stands."""
     skipped = dict(hazards.skipped)
     hazards.skipped.clear()
     hazards.verifying = None
@@ -291,8 +268,8 @@ def _verify(hazards: _Hazards, thread: int) -> None:
 
 
 def check(state: Any, task: int, owner: str) -> None:
-    """A grad-enabled covered call of ``state`` (in graph task ``task``; -1 outside backward) under autocast with
-    the cache on: drop the cache if a hazard for this state applies and its casts are still cached."""
+    """Before a grad-enabled call of ``state`` in graph task ``task`` under autocast with the cache on: drop the
+    cache if a hazard for this state applies and its casts are still cached."""
     hazards = _hazards()
     made_in = hazards.by_state.get(state, hazards.by_state.get(EVERY_STATE))
     if made_in is None or (made_in != -1 and made_in == task):
@@ -313,9 +290,8 @@ def _reset(hazards: _Hazards) -> None:
 
 
 def _sentinel_cast(device_types: tuple[str, ...]) -> Any:
-    """A weak reference to a cast of the patch's own empty parameter-like tensor (no memory allocated), made now through
-    autocast's cache (so cached beside the hazard's casts: it lives exactly as long as they are cached), or None
-    where it cannot be made (then the cache is assumed to hold them)."""
+    """A weak reference to the sentinel: a cast, made now through autocast's cache, of the patch's own empty
+    parameter-like tensor. None where it cannot be made (then the cache is assumed to hold the hazard's casts)."""
     internals = _compat.load()
     if torch.is_inference_mode_enabled() or internals.function_mode_enabled():
         return None  # a function mode would see the sentinel's op
@@ -330,9 +306,8 @@ def _sentinel_cast(device_types: tuple[str, ...]) -> Any:
             source = _sentinels[device_type] = torch.empty(0, 0, device=device_type, requires_grad=True)
         except Exception:  # pragma: no cover - a device type torch cannot allocate on here
             return None
-    # The op's saved inputs are the cast autocast took from (or put in) its cache; a saved-tensor hook of the
-    # patch's own takes them, so that what watches the region's ops does not see the sentinel's op (a
-    # checkpoint's saved-tensor hooks, selective checkpointing's dispatch mode would count it as the region's).
+    # The op saves the cached cast; our own saved-tensor hook catches it, so that a checkpoint's saved-tensor hooks
+    # (and, with the modes disabled, selective checkpointing's dispatch mode) do not count the op as the region's.
     saved: list[torch.Tensor] = []
     grad = torch.is_grad_enabled()
     try:
@@ -355,6 +330,6 @@ def _sentinel_cast(device_types: tuple[str, ...]) -> Any:
 
 
 def _still_cached(hazards: _Hazards) -> bool:
-    """Whether autocast's cache still holds what it held when the first hazard was noted (no sentinel: assume
-    it does). The cache holds the only reference to the sentinel's cast; a region end or a drop frees it."""
+    """Whether autocast's cache still holds what it held when the first hazard was noted (no sentinel: assume it
+    does). The cache holds the only reference to the sentinel; a region end or a drop frees it."""
     return hazards.lifetime is None or hazards.lifetime() is not None

@@ -1,20 +1,18 @@
 """What identifies a forward call: every tensor it was given, held weakly.
 
-A call's *leaves* are its tensor arguments in order: positional and keyword, nested in tuples, lists, dicts and
-dataclasses, parameters aside (one parameter is passed to every call, so it tells no call from another), or,
-for a call given only parameters (learned queries), those parameters. A
-recompute gets the very leaves back (``torch.utils.checkpoint``) or ``detach()``es of them (reentrant-style
-checkpoints), which share their memory, version, shape, stride, dtype and device.
+A call's *leaves* are its tensor arguments in order (positional and keyword, nested in tuples, lists, dicts and
+dataclasses), parameters aside, since a parameter is passed to every call; for a call given only parameters
+(learned queries), those parameters. A recompute gets the very leaves back (``torch.utils.checkpoint``) or
+``detach()``es of them (reentrant-style checkpoints), which share their memory, version, shape, stride, dtype and
+device.
 
 Invariant of :class:`CallLog`: a recompute finds a recorded call exactly when its leaves are, one by one, that
-call's leaves or ``detach()``es of them, in the same order; several calls are found only when they got the very
-same leaves, or views of the same memory alike in shape, stride, dtype and device (which a ``detach()`` of
-either cannot tell apart). Leaves that are not plain tensors (DTensor, other subclasses) match only themselves.
-A record is a few scalars and plain weak references (no callback): once any of its leaves is freed it is dead,
-found by no lookup, and replaced by the next record under its key or swept when the log has doubled since its last
-sweep, so the log holds at most twice the most records alive at once (and :data:`SWEEP_FLOOR`). It costs the same
-whether one call or a thousand are alive (both lookups are one dict access, plus the checks of the records that
-share the key; a sweep visits each record once per doubling).
+call's leaves or ``detach()``es of them. Several calls are found only when they got the very same leaves, or views
+of the same memory alike in shape, stride, dtype and device (which a ``detach()`` cannot tell apart). Leaves that
+are not plain tensors (DTensor, other subclasses) match only themselves. A record holds a few scalars and plain weak
+references (no callback): once a leaf is freed, no lookup finds it; the next record under its key replaces it, or
+a sweep drops it when the log has doubled, so the log holds at most twice the most records alive at once (at
+least :data:`SWEEP_FLOOR`). Records and lookups cost the same however many calls are alive.
 """
 
 from __future__ import annotations
@@ -31,9 +29,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class Call(NamedTuple):
-    """What a recompute replays of one forward call: the autocast state it ran under
-    (:func:`~._autocast.capture`; None: leave the state as the checkpoint set it), whether FSDP's root moved its
-    inputs to the device, and which of FSDP's casts its forward did (its inputs', its output's)."""
+    """What a recompute replays of one forward call: its autocast state (:func:`~._autocast.capture`; None: leave
+    the state as the checkpoint set it), whether FSDP's root moved its inputs to the device, and which of FSDP's
+    casts its forward did."""
 
     autocast: Any
     moved: bool
@@ -64,8 +62,7 @@ class Record(NamedTuple):
 
 
 def leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors a call was given, in order, parameters aside; for a call given only parameters (learned
-    queries), those parameters (see the module docstring)."""
+    """The call's leaves (see the module docstring)."""
     found: list[torch.Tensor] = []
     parameters: list[torch.Tensor] = []
     _collect(args, found, parameters)
@@ -102,9 +99,8 @@ def _key(tensors: list[torch.Tensor]) -> Any:
 
 
 def _memory(tensors: list[torch.Tensor]) -> Any:
-    """The detach key: where each leaf's data starts (equal for a tensor and its ``detach()``), or None if a leaf
-    is not a plain tensor with data of its own (a tensor subclass such as DTensor, whose ``data_ptr`` tells
-    nothing; an empty tensor): such a call only the very tensors match."""
+    """The detach key: where each leaf's data starts (equal for a tensor and its ``detach()``). None if a leaf is
+    a tensor subclass (DTensor's ``data_ptr`` tells nothing) or empty: then only the very tensors match."""
     for t in tensors:
         if type(t) not in _PLAIN or not t.numel():
             return None
@@ -116,15 +112,15 @@ def _memory(tensors: list[torch.Tensor]) -> Any:
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``b`` is ``a`` or a ``detach()`` of it: plain tensors viewing one memory alike (data start, shape,
-    stride, dtype, device). A view of ``a`` alike in all these (``a[:]``) cannot be told from a ``detach()``."""
+    stride, dtype, device); a view alike in all these (``a[:]``) passes too."""
     return a is b or (type(a) in _PLAIN and type(b) in _PLAIN and a.data_ptr() == b.data_ptr()
                       and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
                       and a.device == b.device)
 
 
 def _version(t: torch.Tensor) -> int:
-    """``t``'s version counter; -1 for an inference tensor, which has none (and cannot be changed in place
-    outside inference mode)."""
+    """``t``'s version counter; -1 for an inference tensor, which has none (nor changes in place outside
+    inference mode)."""
     try:
         return t._version
     except RuntimeError:
@@ -149,24 +145,21 @@ def _matches(record: Record, tensors: Any, exact: bool) -> bool:
     return True
 
 
-#: The fewest records a log holds before it sweeps its dead ones (a leaf freed); then twice those alive after a sweep.
+#: The fewest records a log holds before it sweeps its dead ones; after a sweep, twice those alive.
 SWEEP_FLOOR = 64
-#: The most states one record keeps; where more are merged in, the oldest go and the record's stamps no longer
-#: tell its calls apart (:data:`LOST`).
+#: The most states one record keeps; beyond it the oldest go, marked :data:`LOST`.
 MAX_CALLS = 16
-#: The stamp of a record's oldest state once older ones were dropped: a recompute then replays the most recent
-#: state, with a warning, as for calls that ran with grad.
+#: The stamp of a record's oldest state once older ones were dropped: the stamps no longer tell the calls apart,
+#: so a recompute replays the most recent, with a warning, as for calls that ran with grad.
 LOST = -2
 
 
 def _merged(calls: tuple[Stamped, ...], stamped: Stamped) -> tuple[Stamped, ...]:
-    """A record's calls, oldest first, with ``stamped`` added.
-
-    Invariant: for every autograd node made before a stamped call (a reentrant-style checkpoint's own), the first
-    stamp after it names the state of the first call after it, as in the full history: a call in the state of
-    the latest entry replaces it (a run of one state keeps its latest stamp, which every node within the run
-    precedes too); a call with grad (stamp -1; recomputes then replay the most recent state) keeps one entry per
-    state; any other call is appended, at most :data:`MAX_CALLS` kept."""
+    """A record's calls, oldest first, with ``stamped`` added, kept so that for every autograd node made before a
+    stamped call (a reentrant-style checkpoint's own), the first stamp after the node names the state of the
+    first call after it, as in the full history. A call in the latest entry's state replaces it (every node within
+    a run of one state precedes its latest stamp too); a call with grad (stamp -1) keeps one entry per state; any
+    other is appended, at most :data:`MAX_CALLS` kept."""
     if calls[-1].call == stamped.call:
         return calls[:-1] + (stamped,)
     if stamped.stamp == -1:
@@ -178,12 +171,12 @@ def _merged(calls: tuple[Stamped, ...], stamped: Stamped) -> tuple[Stamped, ...]
 
 
 class DetachIndex:
-    """Where a recompute given ``detach()``es of a call's leaves finds the call's record: detach key -> the keys of
-    the records made on that memory (``by_memory``), and key -> its detach key for each record indexed
-    (``indexed``). Brought up to date at a lookup that needs it (:meth:`catch_up`), from the end of the log back
-    to the first record indexed already: the records indexed are always the first ones of the log (a record made
-    again under a key is moved to the end, out of the index), so each record is indexed once and an ordinary
-    call costs the same however many calls are alive."""
+    """Where a recompute given ``detach()``es of a call's leaves finds its record: detach key -> the keys of the
+    records on that memory (``by_memory``), and key -> detach key for each record indexed (``indexed``).
+
+    The records indexed are always the first ones of the log (a record made again under a key moves to the end,
+    out of the index), so :meth:`catch_up` indexes from the end back to the first indexed already: each record is
+    indexed once, and an ordinary call never indexes."""
 
     __slots__ = ("by_memory", "indexed")
 
@@ -192,9 +185,9 @@ class DetachIndex:
         self.indexed: dict[Any, Any] = {}
 
     def catch_up(self, by_key: dict[Any, Record]) -> None:
-        """Index the records made since the last detach lookup, oldest first, each marked indexed once it is in
-        (an interrupted pass leaves the indexed records a prefix). A record dropped meanwhile (by a record or
-        sweep on another thread) is skipped; a dead one is indexed as a record no detach key names."""
+        """Index the records made since the last detach lookup, oldest first (an interrupted pass leaves the
+        indexed records a prefix). One dropped meanwhile by another thread is skipped; a dead one is indexed under
+        no detach key."""
         indexed = self.indexed
         while True:
             fresh = []
@@ -233,13 +226,12 @@ class DetachIndex:
 
 
 class CallLog:
-    """The recorded forward calls of one sharded module (see the module docstring for the invariant).
+    """The recorded forward calls of one sharded module (the module docstring's invariant).
 
-    ``by_key`` maps the leaves' identities to the record, in the order the records were made; ``index`` finds
-    them by their leaves' memory (:class:`DetachIndex`). ``sweep_at``: the size of ``by_key`` at which the dead
-    records are swept. ``unkeyed`` is the latest call with no leaves at all (only parameters, or no tensor): a
-    recompute that finds no record replays it. ``last`` is the latest call, for the warning on a recompute that
-    finds none.
+    ``by_key``: the leaves' identities -> the record, in the order made; ``index`` finds records by their leaves'
+    memory (:class:`DetachIndex`); ``sweep_at``: the size of ``by_key`` at which dead records are swept.
+    ``unkeyed``: the latest call with no leaves, replayed by a recompute with none. ``last``: the latest call, for
+    the warning on a recompute that finds none.
     """
 
     __slots__ = ("by_key", "index", "unkeyed", "last", "sweep_at")
@@ -257,20 +249,18 @@ class CallLog:
 
     def record(self, tensors: Any, call: Any, stamp: int) -> None:
         """Record ``call`` under the leaves ``tensors``; the same leaves again add it to the record's calls
-        (:func:`_merged`). The hot path: one per ordinary call.
-
-        ``stamp``: autograd's sequence number when a call runs without grad (reentrant-style checkpoints run
-        their forward so), else -1; it tells a checkpoint's own call from an eval pass on the same leaves."""
+        (:func:`_merged`). The hot path: one per ordinary call. ``stamp``: autograd's sequence number for a call
+        without grad (as a reentrant-style checkpoint's forward runs), else -1."""
         self.last = call
         if not tensors:
             self.unkeyed = call
             return
         key = _key(tensors)
         seen = self.by_key.get(key)
-        if seen is not None:  # the same leaves again; or a dead record under a reused id, or one changed in place
+        if seen is not None:  # the same leaves again, or a dead record under a reused id, or one changed in place
             if _matches(seen, tensors, exact=True):
-                if self.index.indexed.get(key) is not None:  # index it again: its data may have moved (FSDP
-                    self._drop(key)  # re-allocates the unsharded parameters a call given only parameters gets)
+                if self.index.indexed.get(key) is not None:  # its data may have moved: FSDP re-allocates the
+                    self._drop(key)  # unsharded parameters a call given only parameters gets
                 self.by_key[key] = seen._replace(calls=_merged(seen.calls, Stamped(call, stamp)))
                 return
             self._drop(key)  # the new record goes to the end, out of the detach index
@@ -298,16 +288,15 @@ class CallLog:
         return found or None
 
     def sweep(self) -> None:
-        """Drop the dead records (a leaf freed), and their index entries; the next sweep comes when the log has
-        doubled (at least :data:`SWEEP_FLOOR` records)."""
+        """Drop the dead records and their index entries; the next sweep comes when the log has doubled."""
         by_key = self.by_key
         for key, record in list(by_key.items()):
             if _alive(record):
                 continue
             if by_key.get(key) is record:  # not made again meanwhile on another thread
-                try:  # (which can still happen right here: its new record then goes too, a replay lost, never
-                    self._drop(key)  # a wrong one; or it is gone already)
-                except KeyError:
+                try:  # (if that happens right here, its new record goes too: a replay lost, never a wrong one)
+                    self._drop(key)
+                except KeyError:  # gone already
                     pass
         self.sweep_at = max(SWEEP_FLOOR, 2 * len(self.by_key))
 

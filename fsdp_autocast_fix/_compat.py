@@ -1,15 +1,11 @@
 """The one place that knows torch's FSDP2 internals and decides what this torch needs.
 
-Everything the patch touches inside torch is looked up here, checked, and handed to
-:mod:`fsdp_autocast_fix._patch` as one :class:`Internals` object. A missing or
-reshaped internal raises :class:`UnsupportedTorchError` naming it, before anything
-is patched, so torch is never half-patched.
+Every private name the patch reads is listed in :data:`PRIVATE_NAMES`, resolved and checked by :func:`load`, and
+handed on as one :class:`Internals`. A missing or reshaped internal raises :class:`UnsupportedTorchError` naming
+it, before anything is patched.
 
-Whether this torch "needs the cast replay" is decided by running torch's own
-``FSDPState._pre_forward`` / ``_post_forward`` on a bare state in the recompute
-state (``TrainingState.PRE_BACKWARD``) and looking at what comes out, not by
-comparing version strings: it is right for releases, pre-releases, local builds
-and back-ports alike.
+What this torch needs (the cast replay, the parameter gather) is decided by running torch's own recompute branch
+on a bare state, not by the version string, so it is right for pre-releases, local builds and back-ports.
 """
 
 from __future__ import annotations
@@ -41,8 +37,8 @@ _STATE_MODULES = (
 
 #: Stands for FSDP's state module in :data:`PRIVATE_NAMES` (one of :data:`_STATE_MODULES`, whichever this torch has).
 STATE = "<FSDPState's module>"
-#: Every private torch name the patch reads, as ``(module, attribute path)``: resolved by :func:`load` and nowhere
-#: else, so that a torch without one imports this package, and :func:`load` names it.
+#: Every private torch name the patch reads, as ``(module, attribute path)``: resolved by :func:`load` only, so a
+#: torch without one still imports this package.
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch._C", "_is_any_autocast_enabled"),
     ("torch._C", "_current_graph_task_id"),
@@ -64,8 +60,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     (STATE, "TrainingState"),
     (STATE, "_cast_fp_tensor"),
 )
-#: Private names the patch can do without: autocast's cache marks (without them a ``no_grad`` call drops the
-#: cache instead, with a warning at ``apply()``).
+#: Private names the patch can do without: autocast's cache marks (without them a ``no_grad`` call notes a hazard,
+#: so the next grad-enabled call drops the cache; ``apply()`` warns).
 OPTIONAL_NAMES: tuple[tuple[str, str], ...] = (
     ("torch._C", "_add_cached_tensor"),
     ("torch._C", "_remove_cached_tensor"),
@@ -77,9 +73,8 @@ OPTIONAL_NAMES: tuple[tuple[str, str], ...] = (
 class UnsupportedTorchError(RuntimeError):
     """This torch lacks an internal the patch relies on, or has reshaped it.
 
-    Raised by :func:`fsdp_autocast_fix.apply` and
-    :func:`fsdp_autocast_fix.patched_fully_shard` before anything is changed.
-    ``internal`` names the missing or changed piece.
+    Raised by :func:`fsdp_autocast_fix.apply` and :func:`fsdp_autocast_fix.patched_fully_shard` before anything
+    is changed. ``internal`` names the missing or changed piece.
     """
 
     def __init__(self, internal: str, detail: str = "") -> None:
@@ -100,18 +95,16 @@ class Internals:
     apply_to_tensors: Callable[[Callable[[Any], Any], Any], Any]
     module_state_mapping: Any  # dict or WeakKeyDictionary: module -> state (or weakref)
     to_kwargs: Callable[..., Any]  # torch.distributed.utils._to_kwargs, FSDP's root input move
-    #: Whether nn.Module.__call__ runs forward hooks from a snapshot on its normal path, so that a hook
-    #: may remove itself there; if not recognised, the patch keeps its post-hook registered.
+    #: Whether nn.Module.__call__ runs forward hooks from a snapshot, so a hook may remove itself there.
     forward_hooks_snapshot: bool
     queue_backward_callback: Callable[[Callable[[], None]], None]  # run a callable when this backward ends
     needs_cast_replay: bool
-    #: Whether this torch's recompute skips gathering parameters that were resharded since the forward (a module
-    #: run twice before one backward, or a child resharded by its own post-backward): before torch 2.11.
+    #: Whether this torch's recompute skips gathering parameters resharded since the forward (before torch 2.11).
     needs_param_gather: bool
     #: torch's marks that keep a tensor out of autocast's cast cache, or None where autocast does not honour them.
     cache_marks: CacheMarks | None
-    #: The code of the wrapper FSDP puts around its hooks to keep torch.compile out of them, which makes a new
-    #: ``torch._dynamo.disable`` object on every call (``_dynamo_disable``; ``disable_if_config_true`` in 2.4-2.7).
+    #: The code of FSDP's dynamo-disable wrapper around its hooks, which makes a new ``torch._dynamo.disable``
+    #: object on every call (``_dynamo_disable``; ``disable_if_config_true`` in 2.4-2.7).
     fsdp_hook_wrappers: frozenset[types.CodeType]
     #: Device types whose forward root FSDP moves inputs to (``FSDPState._root_pre_forward``).
     moving_device_types: frozenset[str]
@@ -136,8 +129,7 @@ class Internals:
 
     def bare_hook(self, hook: Any, state: Any) -> Any:
         """FSDP's hook ``hook`` (a method of ``state``) without FSDP's dynamo-disable wrapper, for calling from a
-        frame torch.compile already skips (``torch._dynamo.disable(recursive=True)``); ``hook`` itself if it is
-        not exactly that wrapper around a function of ``state``."""
+        frame torch.compile already skips; ``hook`` itself if it is not exactly that wrapper."""
         wrapper = getattr(hook, "__func__", None)
         if getattr(hook, "__self__", None) is not state or getattr(wrapper, "__code__", None) not in \
                 self.fsdp_hook_wrappers:
@@ -174,8 +166,8 @@ def _param_groups(state: Any) -> list[Any]:
 
 
 def sharded_parameters(state: Any) -> list[torch.Tensor] | None:
-    """The parameters an FSDP state manages, as its modules hold them between forwards (``sharded_param`` of each
-    ``FSDPParam`` of its parameter groups), or None where this torch does not have them so."""
+    """The ``sharded_param`` of each ``FSDPParam`` of the state's parameter groups, or None where this torch has
+    none."""
     try:
         return [fsdp_param.sharded_param for group in _param_groups(state) for fsdp_param in group.fsdp_params]
     except AttributeError:
@@ -183,8 +175,8 @@ def sharded_parameters(state: Any) -> list[torch.Tensor] | None:
 
 
 def unsharded_parameters(state: Any) -> list[torch.Tensor]:
-    """The parameters an FSDP state's modules hold during its forward (``unsharded_param`` of each ``FSDPParam``:
-    one tensor per parameter from its first all-gather on, its storage freed and refilled); none before that."""
+    """The ``unsharded_param`` of each ``FSDPParam`` of the state: what its modules hold during the forward, one
+    tensor per parameter from its first all-gather on (its storage freed and refilled)."""
     found = []
     for group in _param_groups(state):
         for fsdp_param in getattr(group, "fsdp_params", ()):
@@ -196,9 +188,9 @@ def unsharded_parameters(state: Any) -> list[torch.Tensor]:
 
 
 class CacheMarks:
-    """torch's marks for tensors whose casts autocast must neither read from nor write to its cache
-    (``at::caching``, made for CUDA graph trees' static outputs). They count only while a process-wide flag is on,
-    which torch gives no getter for: a tensor of the patch's own, marked once, tells (``flag_on``)."""
+    """torch's marks for tensors whose casts autocast neither reads from nor writes to its cache (``at::caching``,
+    made for CUDA graph trees' static outputs). They count only while a process-wide flag is on, which has no
+    getter: a tensor of the patch's own, marked once, tells (:meth:`flag_on`)."""
 
     __slots__ = ("add", "remove", "marked", "enable", "witness")
 
@@ -304,11 +296,8 @@ def _check_params(fn: Any, expected: tuple[str, ...], label: str) -> None:
 
 
 def _probe_cast_replay(state_cls: type, pre_backward: Any, mp_policy_cls: type) -> bool:
-    """Run torch's own recompute branch on a bare state; True if it skips the casts.
-
-    A fresh ``FSDPState()`` has no parameter groups, so ``_pre_forward`` and
-    ``_post_forward`` touch nothing but the arguments given here.
-    """
+    """Run torch's own recompute branch on a bare state; True if it skips the casts (pytorch issue 148831, cast
+    from torch 2.13). A fresh ``FSDPState()`` has no parameter groups, so nothing but these arguments is touched."""
     state = state_cls()
     state._training_state = pre_backward
     state._mp_policy = mp_policy_cls(param_dtype=torch.bfloat16, output_dtype=torch.float16)
@@ -531,8 +520,8 @@ def _find_hook(hooks: dict[int, Any], target: Any) -> Slot | None:
 
 def hook_slots(state: Any, module: torch.nn.Module) -> HookSlots:
     """Find FSDP's hook entries for ``module`` of ``state``; raise :class:`UnsupportedTorchError` if not there.
-    FSDP's methods are taken from the state's class: the state's own attributes of those names are the patch's
-    (see ``fsdp_autocast_fix._patch._Cover``)."""
+    FSDP's methods are taken from the state's class: the state's own attributes of those names may be the patch's
+    (:func:`set_method_forwards`)."""
     state_cls = type(state)
     entry = _find_hook(module._forward_pre_hooks, types.MethodType(state_cls._pre_forward, state))
     post_entry = _find_hook(module._forward_hooks, types.MethodType(state_cls._post_forward, state))
@@ -553,10 +542,10 @@ def user_class_name(module: torch.nn.Module) -> str:
 def group_casts(state: Any, module: torch.nn.Module) -> tuple[bool, bool]:
     """Whether FSDP's forward casts this call's inputs / output, for a module of ``fully_shard([a, b, ...])``.
 
-    In torch 2.5-2.12 the group's pre-hook runs ``_pre_forward`` (with the input cast) only for the module that
-    starts the group's pass, and ``_post_forward`` (with the output cast) only for the one that ends it. Read
-    before FSDP's hook runs: ``_modules_to_run_forward`` is empty for the first, holds just this module for the
-    last. (2.13+ casts every module's inputs and output, in the recompute too.)
+    In torch 2.5-2.12 the group's hooks run ``_pre_forward`` (the input cast) only for the module that starts the
+    group's pass, and ``_post_forward`` (the output cast) only for the one that ends it. Read before FSDP's hook
+    runs: ``_modules_to_run_forward`` is empty for the first and holds just this module for the last. (torch
+    2.13+ casts every module's inputs and output, in the recompute too.)
     """
     to_run = state._modules_to_run_forward
     return not to_run, len(to_run) == 1 and module in to_run
@@ -570,7 +559,8 @@ def _nested_code(function: Any, name: str) -> types.CodeType | None:
     return found[0] if len(found) == 1 else None
 
 
-#: The code of the non-reentrant checkpoint's ``recompute_fn`` (None where torch reshaped it: no shortcut then).
+#: The code of the non-reentrant checkpoint's ``recompute_fn``, which ``checkpoint_wrapper``, the composable
+#: ``checkpoint`` and selective checkpointing run on too (None where torch reshaped it: no shortcut then).
 _RECOMPUTE_CODE = _nested_code(getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None),
                                "recompute_fn")
 #: The code of the reentrant checkpoint's backward, which recomputes (likewise).
@@ -584,13 +574,11 @@ _RECOMPUTE_DEPTH = 32
 
 
 def in_torch_recompute() -> bool:
-    """Whether ``torch.utils.checkpoint`` (either mode; also what ``checkpoint_wrapper``, the composable
-    ``checkpoint`` and selective checkpointing run on) restored the forward's autocast state for the current call:
-    the innermost of its recomputes on this thread's stack is still recomputing (the non-reentrant
-    ``recompute_fn``, or the reentrant ``CheckpointFunction.backward`` before it has ``outputs``). Past that point
-    the reentrant mode runs a backward of its own, outside its autocast blocks, where a nested checkpoint that does
-    not restore autocast recomputes: not restored. Where torch reshaped both, any frame of its module counts.
-    Off the hot path (ambiguous recomputes only)."""
+    """Whether ``torch.utils.checkpoint`` (either mode) restored the forward's autocast state for the current call:
+    the innermost of its recompute frames on this thread's stack is still recomputing (``recompute_fn``, or
+    ``CheckpointFunction.backward`` before it has ``outputs``: after them it runs a backward of its own, outside
+    its autocast blocks, where a nested checkpoint may recompute). Where torch reshaped both, any frame of its
+    module counts. Off the hot path."""
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
@@ -605,15 +593,11 @@ def in_torch_recompute() -> bool:
 
 
 def torch_recompute_regions() -> int | None:
-    """How many autocast regions ``torch.utils.checkpoint``'s recompute has open around the current call (its
-    device type's, where autocast has one, and CPU's), if that recompute is the innermost frame of
-    ``torch.utils.checkpoint`` within reach on this thread's stack; else None.
-
-    Both modes run the checkpointed function inside those two ``torch.autocast`` blocks: the non-reentrant
-    ``recompute_fn`` (what ``checkpoint_wrapper``, the composable ``checkpoint`` and selective checkpointing run on
-    too) and the reentrant ``CheckpointFunction.backward`` while it has no ``outputs`` yet (after them it runs a
-    backward of its own, outside the blocks). Anything else of the checkpoint's module met first (a nested
-    checkpoint's forward), or none within reach: None."""
+    """How many autocast regions ``torch.utils.checkpoint``'s recompute has open around the current call (CPU's,
+    and its device type's where autocast has one): both modes run the function inside those ``torch.autocast``
+    blocks. None unless the innermost frame of ``torch.utils.checkpoint`` within :data:`_RECOMPUTE_DEPTH` frames is
+    such a recompute (as :func:`in_torch_recompute` reads it); another of its frames met first is, say, a nested
+    checkpoint's forward."""
     frame: types.FrameType | None = sys._getframe(1)
     for _ in range(_RECOMPUTE_DEPTH):
         if frame is None:

@@ -1,15 +1,14 @@
 """Where the patch sits in a sharded module's hook chain.
 
-The patch takes the place of FSDP's own forward pre-hook in the module's hook dict (same key, so the same position
-among the user's hooks) and calls FSDP's hook from there. During a replay it also takes the place of FSDP's
-forward hook (for the output cast) and adds a forward hook of its own, last and ``always_call``, that undoes the
-replay after every other hook. While user pre-hooks run before FSDP's, a lead pre-hook of the patch is kept first,
-so that the record and the replayed autocast state come before them too.
+The patch takes the place of FSDP's forward pre-hook in the module's hook dict (same key, so the same place among
+the user's hooks) and calls FSDP's hook from there. During a replay it also takes the place of FSDP's forward hook
+(for the output cast) and adds an exit hook, last and ``always_call``, that undoes the replay after every other
+hook. While user pre-hooks run before FSDP's, a lead pre-hook of the patch is kept first, so that the record and
+the replayed autocast state come before them too.
 
-The patch's hooks are wrapped with ``torch.compiler.disable`` as FSDP's are (``torch._dynamo.disable``), so
-torch.compile runs them eagerly where it ran FSDP's; inside the patch's entries, FSDP's hooks are called without
-FSDP's own wrapper (which makes a new ``disable`` object on every call), made redundant by the patch's
-(``Internals.bare_hook``; the group closures as they are).
+The patch's hooks are wrapped with ``torch.compiler.disable`` (:func:`eager`) as FSDP's are, so inside them FSDP's
+hooks are called without FSDP's own wrapper, which makes a new ``disable`` object on every call
+(:meth:`~._compat.Internals.bare_hook`).
 
 Invariant of :class:`Placement`: FSDP's hooks run exactly where and when they ran without the patch, each once
 per call; :meth:`Placement.remove` puts FSDP's entries back and leaves no hook of the patch on the module.
@@ -63,7 +62,7 @@ class Placement:
     def install(self, module: torch.nn.Module, entry: Callable[..., Any], post_forward: Callable[..., Any],
                 exit_hook: Callable[..., Any], lead: Callable[..., Any]) -> None:
         """Take FSDP's pre-hook slot with ``entry``; keep the others ready for replays and user pre-hooks."""
-        self.hook = eager(entry)  # as FSDP's own hooks: torch.compile runs it eagerly, never traces it
+        self.hook = eager(entry)
         self.post_hook = eager(post_forward)
         self.exit_hook = eager(exit_hook)
         self.lead_hook = eager(lead)
@@ -101,9 +100,8 @@ class Placement:
             self.slots.post_entry.set(self.fsdp_post)
 
     def register_exit(self, module: torch.nn.Module) -> None:
-        """Add the exit hook (last, ``always_call``) unless it is on. Registered once; later it goes back under
-        the key it was registered with, which puts it after every hook registered since, as a registration does
-        (no new handle per recompute)."""
+        """Add the exit hook (last, ``always_call``) unless it is on. Registered once; later it goes back under its
+        first key, which puts it after every hook registered since, as a new registration would."""
         if self.exit_on:
             return
         hooks, always_called = self.exit_dicts = module._forward_hooks, module._forward_hooks_always_called
@@ -115,12 +113,11 @@ class Placement:
         self.exit_on = True
 
     def unregister_exit(self) -> bool:
-        """Remove the exit hook now if that is safe; False where it must wait (the caller then drops it later).
+        """Remove the exit hook now if that is safe; False where the caller must drop it later.
 
         nn.Module.__call__ runs forward hooks from a snapshot on its normal path, so the hook may remove itself
-        there. On its exception path (an error, or checkpoint's early stop) it iterates the dict itself: the hook
-        stays on until :meth:`drop_exit`. A torch without the snapshot keeps it on (an exit with nothing in flight
-        does nothing)."""
+        there; on its exception path (an error, checkpoint's early stop) it iterates the dict itself. A torch
+        without the snapshot keeps the hook on (an exit with nothing in flight does nothing)."""
         if not self.exit_on or not self.snapshot:
             return True
         if sys.exc_info()[1] is not None:

@@ -1,14 +1,12 @@
 """The one wrapt wrapper on ``FSDPState.init``, shared by :func:`~fsdp_autocast_fix.apply` and the auto-apply.
 
 After FSDP's own ``init`` (inside ``fully_shard``), the wrapper hands the new state to each holder: the auto-apply
-settles a pending apply, :func:`~fsdp_autocast_fix.apply` covers the state. So a module is covered before
-``fully_shard`` returns.
+settles a pending apply, :func:`~fsdp_autocast_fix.apply` covers the state, before ``fully_shard`` returns.
 
-Invariant: at most one wrapper of ours is on the class. It is on while anyone holds it, and inert (wrapt's
-``enabled=``) while no one does. Let go by every holder, it is taken off, unless someone wrapped ``init`` on top of
-it since; then it stays in place, inert, and is used again by the next holder (where it is still in the chain of
-``init``'s wrappers: one taken off by someone else is made anew). This module imports nothing of
-torch: the auto-apply holds it from inside torch's own import.
+Invariant: at most one wrapper of ours is on the class, active while anyone holds it and inert (wrapt's
+``enabled=``) while no one does. When the last holder lets go it is taken off, unless someone wrapped ``init`` on
+top of it since: then it stays, inert, for the next holder (one someone else took off is made anew). This module
+imports nothing of torch: the auto-apply holds it from inside torch's own import.
 """
 
 from __future__ import annotations

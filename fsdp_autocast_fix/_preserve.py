@@ -1,8 +1,8 @@
 """``preserve_autocast``: a checkpoint made to run its function under the autocast state of its call site.
 
-Invariant: the wrapped checkpoint has the checkpoint's signature, arguments, return value and errors; its function
-runs, in the forward and in the recompute, under the autocast state (per device type, and the cache flag) current
-when the checkpoint was called, and the covered modules it calls keep that state in the recompute.
+What it promises users is in :func:`preserve_autocast`'s docstring. Inside, the function's calls follow the cast
+cache policy of :mod:`._cache`, and in the recompute the covered modules it calls keep the state it runs under
+(:func:`~._replay.restored`).
 """
 
 from __future__ import annotations
@@ -19,17 +19,16 @@ from ._replay import restored
 def preserve_autocast(checkpoint_fn: Callable[..., Any]) -> Callable[..., Any]:
     """``checkpoint_fn`` made to run the checkpointed function under the autocast state of its call site.
 
-    For any checkpoint called as ``checkpoint_fn(function, *args, **kwargs)``: torch's
-    ``torch.utils.checkpoint.checkpoint`` (either mode), DeepSpeed's ``checkpoint`` and
-    ``non_reentrant_checkpoint``, or a hand-written ``autograd.Function``. The result has the same
-    signature, arguments, return value and errors; ``function`` then runs under the autocast state
-    (per device type, and the cache flag) that was current when the checkpoint was called, in the
-    forward and in the recompute, and a recompute drops autocast's cached casts first where its forward
-    ran under ``no_grad`` (a cast cached there would cut the recompute off from the parameters).
+    For any checkpoint called as ``checkpoint_fn(function, *args, **kwargs)``: ``torch.utils.checkpoint.checkpoint``
+    (either mode), DeepSpeed's ``checkpoint`` and ``non_reentrant_checkpoint``, or a hand-written
+    ``autograd.Function``. The result has the same signature, arguments, return value and errors; ``function`` runs
+    under the autocast state (per device type, and the cache flag) current when the checkpoint was called, in the
+    forward and in the recompute. A recompute whose forward ran under ``no_grad`` first drops autocast's cached
+    casts, which would cut it off from the parameters.
 
-    This is what :func:`apply` cannot do for a checkpoint whose region does not start at a sharded
-    module's call (a sharded block whose ``forward`` checkpoints part of itself): nothing sharded is
-    called again at the start of its recompute.
+    Use it where :func:`fsdp_autocast_fix.apply` cannot help: a checkpoint whose region does not start at a sharded
+    module's call (a sharded block whose ``forward`` checkpoints part of itself) re-runs no sharded call at the
+    start of its recompute.
 
     Raises:
         TypeError: ``checkpoint_fn`` is not callable (or, when called, ``function`` is not).
@@ -57,8 +56,7 @@ def preserve_autocast(checkpoint_fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _checkpointed(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run a checkpointed function under the autocast state it must see, with the cache policy of :mod:`._cache`;
-    in its recompute the covered modules keep that state (``_replay.restored``)."""
+    """Run a checkpointed function under the state it must see (see the module docstring)."""
     internals = _compat.load()
     if internals.any_autocast_enabled() and torch.is_autocast_cache_enabled():
         if not torch.is_grad_enabled():

@@ -1,25 +1,23 @@
 """What a recompute replays, and how it is undone.
 
-A recompute (FSDP state ``PRE_BACKWARD``, or any forward inside backward, which is how reentrant-style
-checkpoints recompute) of a covered module is replayed by its :class:`Replayer`:
+A recompute (a covered module's forward inside a backward) is replayed by the module's :class:`Replayer`:
 
-* The outermost covered module of the recompute finds its call in the module's :class:`~._calls.CallLog` and
-  enters that call's autocast state where the current one differs (a checkpoint that restored it sees no change).
-  Modules called inside it re-run as in the forward and need nothing. The next sharded calls of the same region
-  (the same graph task and backward node) follow the region's first call while the region's own code leaves
-  autocast as it was (:class:`Region`).
+* The outermost covered module of the recompute finds its call in its :class:`~._calls.CallLog` and enters that
+  call's autocast state where the current one differs. Under a checkpoint that restores autocast itself
+  (``torch.utils.checkpoint`` and what runs on it, :func:`fsdp_autocast_fix.preserve_autocast`) the state is never
+  changed. Modules called inside it re-run as in the forward and need nothing. Later sharded calls of the same
+  region follow its first call (:class:`Region`).
 * In ``PRE_BACKWARD`` FSDP skips its root input move, in torch 2.4-2.12 its casts, and before torch 2.11 the
-  gather of parameters resharded since the forward (:meth:`Replayer.gather`): the replay does what the call's
-  forward did, right after FSDP's pre-hook (:meth:`Replayer.pre_casts`) and, for the output, in FSDP's
-  forward-hook entry (:meth:`Replayer.post_forward`), so user hooks before and after FSDP's see what they saw in
-  the forward. A method registered with ``register_fsdp_forward_method`` runs no hook: its own calls of FSDP's
-  pre- and post-forward do the same (:meth:`Replayer.method_exit`).
+  gather of parameters resharded since the forward. The replay does what the call's forward did, in FSDP's
+  place: right after FSDP's pre-hook (:meth:`Replayer.gather`, :meth:`Replayer.pre_casts`) and in FSDP's
+  forward-hook entry (:meth:`Replayer.post_forward`), so user hooks see what they saw in the forward. A method
+  registered with ``register_fsdp_forward_method`` runs no hook: its calls of FSDP's pre- and post-forward do it.
 
-Invariant: every replay that :meth:`Replayer.start` begins is undone exactly once, by :meth:`Replayer.exit`
-(the module's last forward hook, ``always_call``: also on errors and checkpoint's early stop) or a registered
-method's post-forward (:meth:`Replayer.method_exit`; where the method unwound without it, by
-:meth:`Replayer.abandon` at the thread's next recompute), or, after an interrupt that skipped it, by
-:meth:`Replayer.drop_stale` at the module's next ordinary call; nothing else changes autocast.
+Invariant: every replay :meth:`Replayer.start` begins is undone exactly once: by :meth:`Replayer.exit` (the
+module's last forward hook, ``always_call``, so also on errors and checkpoint's early stop); by a registered
+method's post-forward (:meth:`Replayer.method_exit`), or, where the method unwound without it,
+:meth:`Replayer.abandon` at the thread's next recompute or the backward's end; or, after a ``KeyboardInterrupt``
+skipped the hooks, :meth:`Replayer.drop_stale` at the module's next ordinary call. Nothing else changes autocast.
 """
 
 from __future__ import annotations
@@ -46,10 +44,10 @@ logger = logging.getLogger("fsdp_autocast_fix")
 
 
 class _Thread(threading.local):
-    """This thread's replay state, each read as one attribute: its recomputes in flight (``frames``, outermost
-    first), its current :class:`Region`, the backward whose end releases its hold (``ending``), how many
-    :func:`restored` blocks it is in, and the registered methods' replays in flight (``methods``), with the
-    backward whose end looks for those left behind (``sweeping``)."""
+    """This thread's replay state: its outermost recomputes in flight (``frames``), its current :class:`Region`,
+    the backward whose end releases its hold (``ending``), how many :func:`restored` blocks it is in, and the
+    registered methods' replays in flight (``methods``), with the backward whose end sweeps those left behind
+    (``sweeping``)."""
 
     def __init__(self) -> None:
         self.frames: list[Replay] = []
@@ -70,12 +68,11 @@ class Region:
     """The recompute region whose first sharded call was replayed last on this thread.
 
     Its later sharded calls (same graph task and backward node; their inputs are computed in the region, so no
-    record names them) follow that call's state, unless the region's code changed autocast itself since. Where
-    the replay entered a state (the checkpoint did not restore the forward's), the region holds it, paused
-    between its calls, so that they share autocast's cached casts as they did in the forward; the hold ends
-    when a backward first reaches the output of one of its replayed calls (:func:`_end_when_backwarded`: the
-    recompute has returned), when another region starts on this thread, when the backward ends, or at the next
-    ordinary forward.
+    record names them) follow that call's state, unless the region's code changed autocast since. Where the replay
+    entered a state, the region holds it, paused between its calls, so that they share autocast's cached casts as
+    in the forward. The hold ends when a backward first reaches the output of a replayed call
+    (:func:`_end_when_backwarded`), when another region starts on this thread, when the backward ends, or at the
+    next ordinary forward.
     """
 
     __slots__ = ("where", "call", "now", "entered", "depth")
@@ -113,10 +110,8 @@ class Region:
         return _tls.region
 
     def start(self) -> None:
-        """Make this the thread's current region, where it has none (the one before released: its hold ended);
-        a hold ends with its backward: one callback per backward and thread releases whichever region holds then
-        (queued again where another backward's came in between, or where it ran already; a second one changes
-        nothing)."""
+        """Make this the thread's current region (the one before was released). A hold in a backward queues
+        :func:`_end_of_backward`, once per backward and thread, to release whichever region holds at its end."""
         global held
         _tls.region = self
         if self.entered is not None:
@@ -139,8 +134,7 @@ def restored() -> Iterator[None]:
 
 def _state_restored() -> bool:
     """Whether the checkpoint running this recompute restored the forward's autocast state itself: inside
-    :func:`restored` (``preserve_autocast``), or in ``torch.utils.checkpoint``'s recompute (read off the stack:
-    last)."""
+    :func:`restored`, or in ``torch.utils.checkpoint``'s recompute (:func:`~._compat.in_torch_recompute`)."""
     return bool(_tls.restored) or _compat.in_torch_recompute()
 
 
@@ -149,9 +143,8 @@ held = 0
 
 
 def release_region(restore: bool = False) -> None:
-    """End this thread's current region, and its hold if it has one (``restore``: put the state from before the
-    hold back, if the hold is active; else the state is left as it is: paused, the region's exit put it back, and
-    after an interrupt the autograd engine did)."""
+    """End this thread's current region and its hold. ``restore``: put the state from before an active hold back;
+    otherwise the state is left as it is (a paused hold's exit put it back; after an interrupt, autograd did)."""
     region = _tls.region
     if region is not None:
         _end(region, restore)
@@ -167,10 +160,9 @@ def _end(region: Region, restore: bool = False) -> None:
 
 
 def _end_of_backward(graph_task: int) -> None:
-    """The backward ``graph_task`` ends: release this thread's region if it is one of that backward's holds.
-
-    A hold started after this (a forward in a final callback queued later, still in ``graph_task``) queues its
-    own release again: the thread's pending mark is cleared first."""
+    """At the end of backward ``graph_task``: release this thread's region if it belongs to that backward. The
+    pending mark is cleared first, so a hold started later in the same backward (a final callback's forward)
+    queues its own release."""
     if _tls.ending == graph_task:
         _tls.ending = None
     region = _tls.region
@@ -180,12 +172,10 @@ def _end_of_backward(graph_task: int) -> None:
 
 
 def _end_when_backwarded(output: Any, entered: _autocast.Entered) -> None:
-    """End the hold of ``entered`` (its region's: :meth:`Region.let_go`) when a backward first reaches a tensor of
-    ``output``: a recompute's graph is backwarded once the recompute has run (a reentrant-style checkpoint's own
-    backward), so the casts held for the region's later calls go as the checkpoint's own function returns, not at
-    the end of the whole backward: no more than one region's casts are alive at once, as in the run without the
-    patch. (A backward inside the region, a gradient penalty's, lets them go early: a later call of the region
-    enters the state again, with casts of its own.)"""
+    """End the hold of ``entered`` (:meth:`Region.let_go`) when a backward first reaches a tensor of ``output``.
+    The checkpoint backwards the recomputed graph once its function returned, so the held casts go then, not at
+    the end of the whole backward: no more than one region's casts are alive at once, as without the patch. A
+    backward inside the region (a gradient penalty's) lets go early; a later call enters the state again."""
     def end(_grads: Any) -> None:
         region = _tls.region
         if region is not None and region.entered is entered and entered.thread == threading.get_ident():
@@ -198,9 +188,8 @@ def _end_when_backwarded(output: Any, entered: _autocast.Entered) -> None:
 
 
 def _drop_unwound() -> None:
-    """Undo the registered methods' replays on this thread whose method call is no longer on the stack: it raised
-    (checkpoint's early stop raises inside the recompute) before calling its post-forward. Run at the thread's
-    next recompute and at the end of the backward."""
+    """Undo this thread's registered-method replays whose method call is no longer on the stack: it raised (as
+    checkpoint's early stop does) before its post-forward."""
     live = set()
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
@@ -221,12 +210,10 @@ def _sweep_methods(graph_task: int) -> None:
 class Replay:
     """One recompute of a module: what FSDP's forward did that this torch skips, and what to undo after.
 
-    ``graph_task``: the backward it runs in, where the module is the outermost covered module of the recompute
-    (the replay is then on this thread's ``frames`` until it is undone), else None. ``moved``, ``cast_in``,
-    ``cast_out``: what the patch does in FSDP's place, each only where the call's forward did it and the policy
-    makes it (a cast to no dtype is none: the post-hook is not swapped, the pre-hook's result not touched).
-    ``caller``: for a registered method's call, the method's frame (its post-forward undoes the replay; held until
-    then), else None; ``owner``: the :class:`Replayer` whose replay it is."""
+    ``graph_task``: the backward it runs in, for the outermost covered module of the recompute (then the replay is
+    on this thread's ``frames`` until undone), else None. ``moved``, ``cast_in``, ``cast_out``: what the patch does
+    in FSDP's place. ``caller``: a registered method's frame, held until its post-forward undoes the replay, else
+    None. ``owner``: the :class:`Replayer` whose replay it is."""
 
     __slots__ = ("graph_task", "entered", "moved", "cast_in", "cast_out", "pre_pending", "caller", "owner")
 
@@ -240,8 +227,7 @@ class Replay:
 
 
 class _Undo:
-    """The replays in flight of one covered module, and their undo (see the module docstring for the invariant:
-    each undone exactly once)."""
+    """The replays in flight of one covered module, and their undo (the module docstring's invariant)."""
 
     __slots__ = ("cover", "key", "log", "placement", "grouped", "name", "replays", "warned", "__weakref__")
 
@@ -253,8 +239,8 @@ class _Undo:
         self.warned = False
 
     def _track(self, replay: Replay, module: torch.nn.Module, caller: Any) -> None:
-        """Put ``replay`` in flight until it is undone: the module's exit hook (and its output cast in FSDP's
-        forward-hook entry), or a registered method's post-forward (``caller``: its frame)."""
+        """Put ``replay`` in flight: install the exit hook (and the output cast in FSDP's forward-hook entry), or,
+        for a registered method (``caller``: its frame), leave the undo to its post-forward."""
         if replay.graph_task is not None:
             _tls.frames.append(replay)
         self.replays.append(replay)
@@ -285,8 +271,8 @@ class _Undo:
                 self._let_exit_go()
 
     def _let_exit_go(self) -> None:
-        """Take the exit hook off once no replay is in flight: now, or where the module's call is unwinding in a
-        backward, when that backward ends (outside backward, at the module's next call)."""
+        """Take the exit hook off once no replay is in flight: now, or, where the module's call is unwinding, at the
+        end of the backward (outside backward, at the module's next call)."""
         if not self.placement.unregister_exit() and _compat.load().graph_task_id() != -1:
             _compat.load().queue_backward_callback(self._drop_exit_if_idle)
 
@@ -295,8 +281,8 @@ class _Undo:
             self.placement.drop_exit()
 
     def method_exit(self, replay: Replay, output: Any) -> Any:
-        """A registered method's post-forward in a replay it started, after FSDP's: the output cast FSDP's forward
-        did, then the undo of :meth:`start`."""
+        """A registered method's post-forward, after FSDP's, in a replay it started: the output cast, then the
+        undo."""
         if replay.cast_out:
             _report.count(self.name, "output_casts")
             output = _cast(self.cover.state._mp_policy.output_dtype, output)
@@ -334,11 +320,9 @@ class _Undo:
             replay.caller = None
 
     def drop_stale(self) -> None:
-        """Forget the replays an interrupt left behind (``KeyboardInterrupt`` skips ``always_call`` hooks).
-
-        The autograd engine put the autocast state (enabled, dtype) back when the interrupted backward unwound;
-        what it does not restore (autocast's nesting count, and outside any region the cache flag) is repaired by
-        releasing the region's hold without restoring the state (:meth:`~._autocast.Entered.release`)."""
+        """Forget the replays a ``KeyboardInterrupt`` left behind (it skips ``always_call`` hooks). Autograd put the
+        autocast state back as the backward unwound; releasing the region's hold without restoring repairs the rest
+        (autocast's nesting count, and outside any region the cache flag)."""
         while self.replays:
             replay = self.replays.pop()
             self._undo(replay)
@@ -356,24 +340,23 @@ class _Undo:
 
 
 class _InFsdpsPlace(_Undo):
-    """What a replay does in FSDP's place: in ``PRE_BACKWARD`` FSDP skips its forward's root move, on torch 2.4-2.12
-    its casts, and before 2.11 the gather of parameters resharded since the forward."""
+    """What a replay does in FSDP's place (the module docstring's second point)."""
 
     __slots__ = ()
 
     def _casts_of(self, module: torch.nn.Module) -> tuple[bool, bool]:
-        """FSDP's casts for a recompute of ``module`` that no record names: every call's for a module sharded
-        alone; for a module of ``fully_shard([a, b])``, those of its latest ordinary call (they depend on its place
-        in the group's pass, which a recompute, run in reverse order, cannot read off FSDP's state)."""
+        """FSDP's casts for a recompute of ``module`` that no record names: all of them for a module sharded alone;
+        for one of ``fully_shard([a, b])``, those of its latest ordinary call (they depend on its place in the
+        group's pass, which a recompute, run in reverse order, cannot read off FSDP's state)."""
         if not self.grouped:
             return ALL_CAST
         last = self.log.last
         return (last.cast_in, last.cast_out) if last is not None else _compat.group_casts(self.cover.state, module)
 
     def _in_fsdps_place(self, call: Call, graph_task: int | None, entered: _autocast.Entered | None) -> Replay | None:
-        """The replay of ``call``: in ``PRE_BACKWARD`` FSDP skips its forward's root move, and on 2.4-2.12 its
-        casts, so the replay does them in its place, those the call's forward did and the policy makes (a cast to
-        no dtype is none); None where an inner module (``graph_task`` None) has nothing to do."""
+        """The replay of ``call``: the root move and casts its forward did, where FSDP skips them and the policy
+        makes them (a cast to no dtype is none); None where an inner module (``graph_task`` None) has nothing to
+        do."""
         cover = self.cover
         state = cover.state
         moved, cast_in, cast_out = call.moved, call.cast_in, call.cast_out
@@ -391,9 +374,8 @@ class _InFsdpsPlace(_Undo):
         return replay
 
     def gather(self) -> None:
-        """In ``PRE_BACKWARD``, right after FSDP's pre-forward: gather the state's parameters that were resharded
-        since the forward (a module run twice before one backward, whose first post-backward resharded them), as
-        torch 2.11+'s recompute does; this torch's returns early and leaves them sharded."""
+        """In ``PRE_BACKWARD``, right after FSDP's pre-forward: gather the state's parameters resharded since the
+        forward (a module run twice before one backward), as torch 2.11+ does."""
         if _compat.gather_parameters(self.cover.state):
             _report.count(self.name, "param_gathers")
 
@@ -408,7 +390,7 @@ class _InFsdpsPlace(_Undo):
             args_tuple, kwargs_tuple = _compat.load().to_kwargs(args, kwargs, state._device, False)
             args, kwargs = args_tuple[0], kwargs_tuple[0]
             _report.count(self.name, "root_moves")
-        if replay.cast_in:  # the policy casts inputs (see start)
+        if replay.cast_in:  # the policy casts inputs (see _in_fsdps_place)
             dtype = state._mp_policy.param_dtype
             args, kwargs = _cast(dtype, args), _cast(dtype, kwargs)
             _report.count(self.name, "input_casts")
@@ -417,13 +399,13 @@ class _InFsdpsPlace(_Undo):
     def post_forward(self, module: torch.nn.Module, input: Any, output: Any) -> Any:
         """In the place of FSDP's forward hook during a replay: FSDP's hook, then the output cast it did."""
         output = self.placement.fsdp_post_call(module, input, output)
-        _report.count(self.name, "output_casts")  # swapped in only where the policy has an output dtype (start)
+        _report.count(self.name, "output_casts")  # swapped in only where the policy has an output dtype
         return _cast(self.cover.state._mp_policy.output_dtype, output)
 
 
 class Replayer(_InFsdpsPlace):
     """The replays of one covered module: which recorded call a recompute replays, the state it enters, and what
-    it does in FSDP's place (see the module docstring)."""
+    it does in FSDP's place."""
 
     __slots__ = ()
 
@@ -433,9 +415,8 @@ class Replayer(_InFsdpsPlace):
         return Call(_autocast.capture(self.cover.device_types), False, *self._casts_of(module))
 
     def start(self, module: torch.nn.Module, tensors: list[torch.Tensor], caller: Any = None) -> None:
-        """A recompute of ``module`` begins (its inputs' leaves ``tensors``): enter its call's state, if needed, and
-        set up what FSDP's forward did that this torch skips. ``caller``: the frame of a registered method, whose
-        post-forward undoes the replay (no hook runs)."""
+        """A recompute of ``module`` begins (``tensors``: its leaves): enter its call's state if needed and set up
+        what this torch skips. ``caller``: a registered method's frame, whose post-forward undoes the replay."""
         cover, internals = self.cover, _compat.load()
         graph_task = internals.graph_task_id()
         if _tls.frames and _tls.frames[0].graph_task != graph_task:  # left by an earlier backward
@@ -458,14 +439,10 @@ class Replayer(_InFsdpsPlace):
 
     def _choose(self, module: torch.nn.Module, tensors: list[torch.Tensor], now: Any,
                 graph_task: int) -> tuple[Call | None, _autocast.Entered | None]:
-        """The recorded call to replay (or None: leave the state as the checkpoint set it), and the entered state
-        this call runs under (its region's), if the call's state is not the current one. The thread's region
-        before is released unless the call follows it.
-
-        Under ``torch.utils.checkpoint`` (either mode; also ``checkpoint_wrapper``, the composable checkpoint and
-        selective checkpointing) and inside :func:`fsdp_autocast_fix.preserve_autocast` the state is never
-        changed: they restore the forward's autocast state at the region's start, and the region's code sets the
-        rest as in the forward."""
+        """The recorded call to replay (None: leave the state as the checkpoint set it), and the entered state it
+        runs under (its region's) where that differs from the current one. The thread's region before is released
+        unless the call follows it. Where the checkpoint restored autocast (:func:`_state_restored`), the current
+        state is kept."""
         node = _compat.load().current_node()  # where: the backward and the node that runs the recompute
         here = graph_task, node._sequence_nr() if node is not None else None
         region = _tls.region
@@ -480,7 +457,7 @@ class Replayer(_InFsdpsPlace):
             _end(region)
         if calls is not None:
             chosen = self._pick(module, calls, node)
-        elif not tensors and self.log.unkeyed is not None:  # only parameters as tensors: the latest such call
+        elif not tensors and self.log.unkeyed is not None:  # no tensor arguments: the latest such call
             chosen = self.log.unkeyed
         else:
             self._unidentified(module, now)
@@ -498,10 +475,8 @@ class Replayer(_InFsdpsPlace):
         if len(calls) == 1:
             return calls[0].call  # type: ignore[no-any-return]
         # The same leaves under several states (an eval pass on the training batch, say). A reentrant-style
-        # checkpoint recomputes in the backward of its own autograd node, made right before its forward ran the
-        # call under no_grad: the call stamped first after that node is its own (an eval run later is stamped
-        # after the ops in between, one run earlier before the node). That holds where every call is stamped
-        # (ran under no_grad); else the most recent, with one warning.
+        # checkpoint recomputes in the backward of its own node, made right before its no_grad forward: the call
+        # stamped first after that node is its own. Where a call ran with grad (no stamp): the most recent, warned.
         if node is not None and all(c.stamp >= 0 for c in calls):
             made = node._sequence_nr()
             after = [c for c in calls if c.stamp > made]
@@ -516,8 +491,8 @@ class Replayer(_InFsdpsPlace):
         return calls[-1].call  # type: ignore[no-any-return]
 
     def _unidentified(self, module: torch.nn.Module, now: Any) -> None:
-        """A recompute that no record names: counted and warned about (once) where it may matter, that is where
-        the latest call ran under another autocast state and the checkpoint did not restore it."""
+        """A recompute that no record names: counted and warned about (once) where the latest call ran under another
+        autocast state and the checkpoint did not restore it."""
         last = self.log.last
         if last is None or last.autocast == now or _state_restored():
             return
