@@ -427,7 +427,9 @@ class Replayer(_InFsdpsPlace):
         call, entered = None, None
         if outermost:  # the outermost covered module of this recompute: the call it replays
             call, entered = self._choose(module, tensors, _autocast.capture(cover.device_types), graph_task)
-            _report.count_recompute(self.name, entered is not None)
+            _report.count(self.name, "recomputes")
+            if entered is not None:
+                _report.count(self.name, "autocast_changed")
         # (inside a replayed module, a module re-runs as in the forward)
         if cover.caches_parameters and internals.any_autocast_enabled() and torch.is_autocast_cache_enabled():
             _cache.before_call(self.key, graph_task, torch.is_grad_enabled(), cover.device_types, self.name,

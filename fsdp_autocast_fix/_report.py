@@ -1,10 +1,8 @@
 """What the patch did in this process: counts kept where it acts, never on the ordinary forward.
 
-Invariant: every count is incremented on a path that runs only when the patch changes something or sees a
-recompute (the replay, the cast-cache drop), so that a report costs an ordinary forward nothing; the counts
-start at zero when the process starts, at :func:`fsdp_autocast_fix.apply` and at ``report(reset=True)``. Each
-thread adds to a table of its own, without a lock (a replay pays no lock); a report sums every thread's table,
-those of threads that have ended included, less the sums at the last reset.
+Invariant: every count is added on a path that runs only when the patch changes something or sees a recompute
+(the replay, the cast cache's drop and shield), so a report costs an ordinary forward nothing; the counts start at
+zero when the process starts, at :func:`fsdp_autocast_fix.apply` and at ``report(reset=True)``.
 """
 
 from __future__ import annotations
@@ -21,26 +19,10 @@ from typing import Mapping
 #: The environment variable that prints the report at interpreter exit: ``1`` on rank 0, ``all`` on every rank.
 ENV = "FSDP_AUTOCAST_FIX_REPORT"
 
-_lock = threading.Lock()  # guards _tables, _ended, _baseline and _reasons
-#: Each live thread's counts, (module class, field) -> count, with its thread; a thread adds to its own only.
-_tables: list[tuple[threading.Thread, dict[tuple[str, str], int]]] = []
-_ended: Counter[tuple[str, str]] = Counter()  # the counts of threads that have ended, folded in by a report
-_baseline: dict[tuple[str, str], int] = {}  # the sums of the tables at the last reset
+_lock = threading.Lock()  # guards _counts and _reasons (a count and its reason fall on one side of a reset)
+_counts: Counter[tuple[str, str]] = Counter()  # (module class, field) -> count
 _reasons: dict[str, set[str]] = {}  # module class -> why its recomputes could not be identified
-_armed = [False]
-
-
-class _Table(threading.local):
-    """This thread's counts (a plain dict, the cheapest to add to), listed in ``_tables`` when first used (so
-    never first used under ``_lock``)."""
-
-    def __init__(self) -> None:
-        self.counts: dict[tuple[str, str], int] = {}
-        with _lock:
-            _tables.append((threading.current_thread(), self.counts))
-
-
-_mine = _Table()
+_armed = False
 
 
 @dataclass(frozen=True)
@@ -134,56 +116,30 @@ class Report(ModuleReport):
         return line
 
 
-def count(cls: str, what: str, n: int = 1) -> None:
-    """Add ``n`` to ``what`` (a :class:`ModuleReport` field) for module class ``cls``."""
-    counts = _mine.counts
-    key = cls, what
-    counts[key] = counts.get(key, 0) + n
-
-
-def count_recompute(cls: str, autocast_changed: bool) -> None:
-    """A replayed recompute of a ``cls`` module (``autocast_changed``: the replay entered the call's state)."""
-    counts = _mine.counts
-    key = cls, "recomputes"
-    counts[key] = counts.get(key, 0) + 1
-    if autocast_changed:
-        key = cls, "autocast_changed"
-        counts[key] = counts.get(key, 0) + 1
+def count(cls: str, what: str) -> None:
+    """Add one to ``what`` (a :class:`ModuleReport` field) for module class ``cls``."""
+    with _lock:
+        _counts[cls, what] += 1
 
 
 def unidentified(cls: str, reason: str) -> None:
     """A recompute of a ``cls`` module whose call was not identified, and why."""
-    counts = _mine.counts  # outside the lock (see _Table)
-    key = cls, "unidentified"
-    with _lock:  # the count and its reason together, on one side of a reset
-        counts[key] = counts.get(key, 0) + 1
+    with _lock:
+        _counts[cls, "unidentified"] += 1
         _reasons.setdefault(cls, set()).add(reason)
 
 
 def snapshot(reset: bool = False) -> Report:
-    """The counts as a :class:`Report`; ``reset`` starts them again at zero (a count another thread adds
-    meanwhile falls on one side of the reset)."""
-    global _baseline
+    """The counts as a :class:`Report`; ``reset`` starts them again at zero."""
     with _lock:
-        live = []
-        for thread, table in _tables:
-            if thread.is_alive():
-                live.append((thread, table))
-            else:  # it adds no more: folded in, so that threads come and go without the list growing
-                _ended.update(table)
-        _tables[:] = live
-        sums = Counter(_ended)
-        for _, table in live:
-            sums.update(table.copy())  # one step under the GIL, whatever its thread adds meanwhile
-        per: dict[str, Counter[str]] = {}
-        for key, n in sums.items():
-            n -= _baseline.get(key, 0)
-            if n:
-                per.setdefault(key[0], Counter())[key[1]] += n
+        counts = dict(_counts)
         reasons = {cls: tuple(sorted(r)) for cls, r in _reasons.items()}
         if reset:
-            _baseline = dict(sums)
+            _counts.clear()
             _reasons.clear()
+    per: dict[str, dict[str, int]] = {}
+    for (cls, what), n in counts.items():
+        per.setdefault(cls, {})[what] = n
     by_module = {cls: ModuleReport(**c) for cls, c in per.items()}
     totals = {f.name: sum(getattr(m, f.name) for m in by_module.values()) for f in fields(ModuleReport)}
     return Report(**totals, unidentified_reasons=MappingProxyType(reasons), by_module=MappingProxyType(by_module))
@@ -196,10 +152,11 @@ def reset() -> None:
 
 def arm_exit_report() -> None:
     """Print the report at interpreter exit where :data:`ENV` asks for it (once per process)."""
+    global _armed
     wanted = os.environ.get(ENV, "").strip().lower()
-    if wanted not in ("1", "all") or _armed[0]:
+    if wanted not in ("1", "all") or _armed:
         return
-    _armed[0] = True
+    _armed = True
     atexit.register(_print_at_exit, wanted == "all")
 
 
@@ -224,3 +181,4 @@ def _rank() -> int | None:
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
     except Exception:  # pragma: no cover - a torch without distributed
         return None
+
