@@ -52,18 +52,9 @@ class ModuleCover:
 
     def entry(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """In the place of FSDP's pre-hook entry: record or replay (unless the lead did), then FSDP's pre-hook."""
-        placement = self.placement
-        if placement.lead is None:
+        if self.placement.lead is None:
             self.begin(module, args, kwargs)
-        result = placement.fsdp_call(module, args, kwargs)
-        if self.cached and not torch.is_grad_enabled():
-            self.shield()
-        if self.cover.gathers and self.state._training_state is self.cover.pre_backward:
-            self.replayer.gather()  # this torch's recompute leaves resharded parameters so
-        replays = self.replayer.replays
-        if replays and replays[-1].pre_pending:
-            return self.replayer.pre_casts(args, kwargs, result)
-        return result
+        return self._after_fsdp(args, kwargs, self.placement.fsdp_call(module, args, kwargs))
 
     def method_entry(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      caller: types.FrameType) -> Any:
@@ -71,12 +62,17 @@ class ModuleCover:
         calls the state's ``_pre_forward`` itself, no hook runs): record or replay, then FSDP's pre-forward; a
         replay started here is undone by :meth:`method_exit` in the same method call (``caller``, its frame)."""
         self.begin(module, args, kwargs, caller)
-        result = self.cover.fsdp_pre_forward(module, args, kwargs)
+        return self._after_fsdp(args, kwargs, self.cover.fsdp_pre_forward(module, args, kwargs), caller)
+
+    def _after_fsdp(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any,
+                    caller: types.FrameType | None = None) -> Any:
+        """Right after FSDP's pre-forward gathered the parameters: a ``no_grad`` call's shield, the gather this
+        torch's recompute skips, and the root move and input cast of the replay this call started."""
         if self.cached and not torch.is_grad_enabled():
             self.shield(caller)
         if self.cover.gathers and self.state._training_state is self.cover.pre_backward:
             self.replayer.gather()
-        replays = self.replayer.replays  # the replay this call started, if any, is the one it is the caller of
+        replays = self.replayer.replays
         if replays and replays[-1].caller is caller and replays[-1].pre_pending:
             return self.replayer.pre_casts(args, kwargs, result)
         return result
