@@ -1,9 +1,8 @@
 """Make a checkpointed ``fully_shard`` (FSDP2) module recompute exactly what its forward computed.
 
-In torch 2.4-2.12, FSDP2 skips its ``MixedPrecisionPolicy`` casts while a checkpointed
-module's forward is recomputed in backward (pytorch issue 148831), and no torch
-restores autocast for checkpoints that do not do it themselves. This package records
-each sharded module's forward-time state and replays it around the recompute::
+In torch 2.4-2.12, FSDP2 skips its ``MixedPrecisionPolicy`` casts when a checkpointed module's forward is
+recomputed in backward (pytorch issue 148831), and no torch restores autocast for checkpoints that do not restore
+it themselves. This package records each sharded module's forward-time state and replays it in the recompute::
 
     import fsdp_autocast_fix
     fsdp_autocast_fix.apply()                      # process-wide, before or after sharding
@@ -55,15 +54,15 @@ class Status:
 
     Attributes:
         torch_version: ``torch.__version__``.
-        needs_cast_replay: whether this torch skips FSDP's casts in the recompute
-            (probed on torch's own code); None if this torch is not supported.
-        needs_param_gather: whether this torch's recompute leaves parameters resharded since the forward
-            sharded ("mixed torch.Tensor and DTensor"; probed likewise; the patch gathers them); None if this
-            torch is not supported.
+        needs_cast_replay: whether this torch skips FSDP's casts in the recompute (probed on torch's own code);
+            None if this torch is not supported.
+        needs_param_gather: whether this torch's recompute skips gathering parameters resharded since the
+            forward, failing with "mixed torch.Tensor and DTensor" (probed likewise; the patch gathers them); None
+            if this torch is not supported.
         cast_replay_active: whether covered modules get the cast replay.
         autocast_replay_active: whether any module is covered or :func:`apply` is in force.
         patched_globally: whether :func:`apply` is in force.
-        covered_modules: how many sharded modules carry the capture/replay hooks.
+        covered_modules: how many sharded modules carry the patch's hooks.
         unsupported: why this torch is not supported, or None.
     """
 
@@ -80,7 +79,8 @@ class Status:
 def status() -> Status:
     """Report the torch version, what it needs, and what is patched now. Never raises.
 
-    An auto-apply (``FSDP_AUTOCAST_FIX=1``) still waiting for an import to finish is completed first.
+    First completes a pending auto-apply (``FSDP_AUTOCAST_FIX=1``) where no import of torch or of this package is
+    under way.
     """
     _autoapply.settle()
     try:
@@ -107,10 +107,10 @@ def status() -> Status:
 
 @contextlib.contextmanager
 def patched(*, force: bool = False) -> Iterator[None]:
-    """Apply on enter, restore the previous state on exit; safe to nest.
+    """Apply with ``force`` on enter, restore the previous state on exit; safe to nest.
 
-    Only the outermost ``patched()`` that actually applied removes the patch again;
-    a ``patched()`` inside an :func:`apply` leaves it in force.
+    Only a ``patched()`` that applied the patch removes it on exit; inside an :func:`apply` the patch stays in force
+    with its previous ``force``.
     """
     was_applied, was_forced = _patch.is_applied(), _patch.forced()
     apply(force=force)
@@ -124,14 +124,14 @@ def patched(*, force: bool = False) -> Iterator[None]:
 
 
 def report(*, reset: bool = False) -> Report:
-    """What the patch did in this process since :func:`apply` (or the last ``report(reset=True)``). Never raises.
+    """What the patch did in this process since the last :func:`apply` or ``report(reset=True)``. Never raises.
 
-    Totals and counts per sharded module class: recomputes seen, recomputes whose autocast state it changed,
-    FSDP input / output casts and root input moves it replayed, cached casts it dropped (pytorch issue 158232),
-    and recomputes it could not identify, with why. ``str()`` of it is a table ending in one line of advice: the
-    patch changed nothing in this run (you may not need it here), or what it fixed. ``reset=True`` starts the
-    counts again after reading them. Set ``FSDP_AUTOCAST_FIX_REPORT=1`` to print it at interpreter exit on rank 0
-    (``=all``: every rank), also under the auto-apply.
+    Totals and counts per sharded module class (fields: :class:`Report`): recomputes seen, recomputes whose
+    autocast state it changed, FSDP casts, root input moves and parameter gathers it replayed, cached casts it
+    dropped or kept out (pytorch issue 158232), and recomputes it could not identify, with why. ``str()`` gives a
+    table and one line of advice: what the patch fixed, or that it changed nothing (you may not need it here).
+    ``reset=True`` zeroes the counts after reading them. ``FSDP_AUTOCAST_FIX_REPORT=1`` prints the report at
+    interpreter exit on rank 0 (``=all``: every rank), also under the auto-apply.
     """
     return _report.snapshot(reset=reset)
 

@@ -19,7 +19,8 @@ FIX = ("call fsdp_autocast_fix.apply() before training (or shard with patched_fu
 
 
 def _probe_in_subprocess() -> tuple[list[dict[str, str]] | None, str | None]:
-    """The probe in a fresh interpreter (auto-apply off), so that it sees what stock torch does."""
+    """Run the probe in a fresh interpreter with auto-apply off, so that it sees stock torch. Returns (results,
+    None), or (None, the last line of stderr) where it failed."""
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
     proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "fsdp_autocast_fix", "probe"],
                           capture_output=True, text=True, env=env, timeout=600)
@@ -78,7 +79,7 @@ def _print_doctor(report: dict[str, Any]) -> None:
     print(REPORT_HINT)
 
 
-#: doctor answers for its own probe; what the patch does in the user's own run is the report's to say.
+#: The doctor speaks for its own probe; the report tells what the patch did in the user's own run.
 REPORT_HINT = ("for your own run: FSDP_AUTOCAST_FIX_REPORT=1 prints at exit what the patch changed there "
                "(fsdp_autocast_fix.report()); if it changed nothing on the torch you upgrade to, you may unpin it")
 

@@ -1,18 +1,16 @@
 """An opt-in, value-level recompute check for debugging.
 
-``torch.utils.checkpoint`` compares only the shape, dtype and device of each tensor the recompute saves
-again, so a recompute that computes other values with the same metadata (a block that begins with
-``x.float()`` under a lost cast) passes unnoticed. This check adds a checksum of each tensor's bits to
-that metadata, so torch's own comparison raises ``CheckpointError`` naming the tensor's position and
-showing what differed. It is off by default and costs a pass over every saved tensor, twice.
+``torch.utils.checkpoint`` compares only the shape, dtype and device of each tensor the recompute saves again, so a
+recompute that computes other values (a block that begins with ``x.float()`` under a lost cast) passes unnoticed.
+This check adds a checksum of each tensor's bits to that metadata, so torch's own comparison raises
+``CheckpointError`` naming the tensor's position and what differed. It is off by default and costs two passes over
+every saved tensor (forward and recompute).
 
-Two ways to use it, both for non-reentrant ``torch.utils.checkpoint`` (the only kind that has
-``determinism_check``):
+Both ways to use it need non-reentrant ``torch.utils.checkpoint`` (the only kind with ``determinism_check``):
 
-* ``with fsdp_autocast_fix.check_recompute(): ...`` makes the check the default for checkpoints
-  called inside the block;
-* ``checkpoint(fn, x, use_reentrant=False, determinism_check=fsdp_autocast_fix.register_value_check())``
-  for one call.
+* ``with fsdp_autocast_fix.check_recompute(): ...`` makes it the default for checkpoints called in the block;
+* ``checkpoint(fn, x, use_reentrant=False, determinism_check=fsdp_autocast_fix.register_value_check())`` for one
+  call.
 """
 
 from __future__ import annotations
@@ -54,7 +52,9 @@ def _registry() -> dict[str, Any]:
 
 
 def register_value_check() -> str:
-    """Register the check with ``torch.utils.checkpoint``; return its ``determinism_check`` name."""
+    """Register the check with ``torch.utils.checkpoint``; return its ``determinism_check`` name (:data:`VALUE_CHECK`).
+
+    Raises ``RuntimeError`` where this torch has no ``determinism_check`` registry."""
     with _lock:
         _registry()[VALUE_CHECK] = value_metadata
     return VALUE_CHECK
@@ -62,10 +62,10 @@ def register_value_check() -> str:
 
 @contextlib.contextmanager
 def check_recompute() -> Iterator[None]:
-    """Within the block, non-reentrant checkpoints check recomputed values too (not only their metadata).
+    """Within the block, non-reentrant checkpoints check recomputed values too, not only their metadata.
 
-    Changes the default ``determinism_check`` of ``torch.utils.checkpoint`` process-wide for the
-    block's duration; a checkpoint's comparison uses the check that was in force when it ran forward.
+    Sets the default ``determinism_check`` of ``torch.utils.checkpoint`` process-wide for the block; each checkpoint
+    compares with the check in force when its forward ran. Raises ``RuntimeError`` as :func:`register_value_check`.
     """
     register_value_check()
     registry = _registry()

@@ -1,17 +1,16 @@
-"""The patch on the sharded modules it covers: where it sits, and what it does on each call.
+"""The patch on the sharded modules it covers: where it sits and what it does on each call.
 
-A covered FSDP state gets a :class:`Cover`, and each of its modules a :class:`ModuleCover`, made of three parts,
+A covered FSDP state gets a :class:`Cover`; each of its modules gets a :class:`ModuleCover`, made of three parts,
 each with its own invariant:
 
-* :class:`~._hooks.Placement` - where the patch sits in the module's hook chain (FSDP's slots, the lead pre-hook,
-  the exit hook), and, for methods registered with ``register_fsdp_forward_method``, the state's pre- and
-  post-forward (:class:`Cover`);
-* :class:`~._calls.CallLog` - what identifies a forward call (all its tensor arguments, held weakly);
-* :class:`~._replay.Replayer` - what a recompute replays (the call's autocast state, FSDP's casts) and undoes;
+* :class:`~._hooks.Placement` - where the patch sits in the module's hook chain (for registered methods, the
+  state's pre- and post-forward: :class:`Cover`);
+* :class:`~._calls.CallLog` - what identifies a forward call (its tensor arguments, held weakly);
+* :class:`~._replay.Replayer` - what a recompute replays, and how it is undone.
 
-and :mod:`._cache` decides when autocast's cached casts are kept out or dropped. On every ordinary forward the
-module's entry records the call (a few scalars) under its leaves, then calls FSDP's pre-hook; on a recompute it
-hands over to the replayer.
+:mod:`._cache` decides when autocast's cached casts are kept out or dropped. On an ordinary forward the module's
+entry records the call (a few scalars) under its leaves, then calls FSDP's pre-hook; on a recompute it hands over
+to the replayer.
 """
 
 from __future__ import annotations
@@ -29,10 +28,8 @@ from ._replay import ALL_CAST, Replayer
 
 
 class ModuleCover:
-    """The patch on one module of a covered state: record each ordinary call (:class:`~._calls.Call`: the autocast
-    state captured before FSDP's hook and any user pre-hook after the lead, whether FSDP's root moved the inputs
-    to the device, and which of FSDP's casts the forward does: for ``fully_shard([a, b])`` only the group's first
-    inputs and last output, in torch 2.5-2.12), replay each recompute.
+    """The patch on one module of a covered state: it records each ordinary call (:class:`~._calls.Call`) and
+    replays each recompute. The autocast state is read before FSDP's pre-hook and any user pre-hook after the lead.
     """
 
     __slots__ = ("cover", "cover_key", "state", "internals", "grouped", "cached", "name", "log", "placement",
@@ -51,23 +48,23 @@ class ModuleCover:
         self.placement.install(module, self.entry, self.replayer.post_forward, self.replayer.exit, self.begin)
 
     def entry(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """In the place of FSDP's pre-hook entry: record or replay (unless the lead did), then FSDP's pre-hook."""
+        """In FSDP's pre-hook slot: record or replay (unless the lead did), then call FSDP's pre-hook."""
         if self.placement.lead is None:
             self.begin(module, args, kwargs)
         return self._after_fsdp(args, kwargs, self.placement.fsdp_call(module, args, kwargs))
 
     def method_entry(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      caller: types.FrameType) -> Any:
-        """In the place of FSDP's pre-forward for a method registered with ``register_fsdp_forward_method`` (it
-        calls the state's ``_pre_forward`` itself, no hook runs): record or replay, then FSDP's pre-forward; a
-        replay started here is undone by :meth:`method_exit` in the same method call (``caller``, its frame)."""
+        """In place of FSDP's pre-forward for a method registered with ``register_fsdp_forward_method`` (no hook
+        runs for it): record or replay, then call FSDP's pre-forward. ``caller``: the method call's frame;
+        :meth:`method_exit` of the same call undoes a replay started here."""
         self.begin(module, args, kwargs, caller)
         return self._after_fsdp(args, kwargs, self.cover.fsdp_pre_forward(module, args, kwargs), caller)
 
     def _after_fsdp(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any,
                     caller: types.FrameType | None = None) -> Any:
-        """Right after FSDP's pre-forward gathered the parameters: a ``no_grad`` call's shield, the gather this
-        torch's recompute skips, and the root move and input cast of the replay this call started."""
+        """After FSDP's pre-forward gathered the parameters: shield a ``no_grad`` call, gather what this torch's
+        recompute leaves sharded, and do the root move and input cast of a replay this call started."""
         if self.cached and not torch.is_grad_enabled():
             self.shield(caller)
         if self.cover.gathers and self.state._training_state is self.cover.pre_backward:
@@ -78,8 +75,8 @@ class ModuleCover:
         return result
 
     def method_exit(self, module: torch.nn.Module, input: Any, output: Any, caller: types.FrameType) -> Any:
-        """In the place of FSDP's post-forward for a registered method: FSDP's, then the output cast and the undo of
-        the replay this method call started, if it did."""
+        """In place of FSDP's post-forward for a registered method: FSDP's, then the output cast and undo of a
+        replay this method call started."""
         output = self.cover.fsdp_post_forward(module, input, output)
         if self.cached:
             _cache.end_of_method(self.cover_key, caller)
@@ -89,24 +86,23 @@ class ModuleCover:
         return output
 
     def shield(self, caller: types.FrameType | None = None) -> None:
-        """A ``no_grad`` call (``caller``: a registered method's frame), after FSDP's pre-forward gathered the
-        parameters: under autocast with the cache on, keep their casts out of the cache (see
-        :func:`._cache.shield`)."""
+        """Under autocast with the cache on, keep the casts of a ``no_grad`` call's gathered parameters out of the
+        cache (:func:`._cache.shield`). ``caller``: a registered method's frame."""
         if self.internals.any_autocast_enabled() and torch.is_autocast_cache_enabled():
             _cache.shield(self.cover_key, self.cover, _compat.unsharded_parameters(self.state),
                           self.cover.device_types, caller)
 
     def begin(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
               caller: types.FrameType | None = None) -> None:
-        """Record an ordinary call or start the replay of a recompute: from the entry, as the lead pre-hook
-        while user pre-hooks run before FSDP's, or from a registered method (``caller``: its frame)."""
+        """Record an ordinary call, or start a recompute's replay. Called by the entry, by the lead pre-hook while
+        user pre-hooks run before FSDP's, or by a registered method (``caller``: its frame)."""
         internals = self.internals
-        if internals.graph_task_id() != -1:  # a recompute: only a backward runs one (FSDP stays in PRE_BACKWARD
-            tensors = _calls.leaves(args, kwargs)  # after a backward that raised)
+        if internals.graph_task_id() != -1:  # in a backward: a recompute (FSDP's PRE_BACKWARD would not do:
+            tensors = _calls.leaves(args, kwargs)  # it outlives a backward that raised)
             self.replayer.start(module, tensors, caller)
             if not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
-                # a checkpoint's forward inside this recompute (a per-layer checkpoint under a checkpoint of the
-                # whole stack): recorded in the state it runs in now, the forward's, for its own recompute later
+                # a checkpoint's forward inside this recompute (per-layer checkpoints under a whole-stack one):
+                # record it as it runs now, in the forward's state, for its own recompute later
                 self.log.record(tensors, self.replayer.nested_call(module), internals.sequence_nr())
             return
         if self.replayer.replays:  # left by an interrupted recompute (KeyboardInterrupt skips always_call hooks)
@@ -115,14 +111,14 @@ class ModuleCover:
             _replay.release_region()
         grad = torch.is_grad_enabled()
         call = self._call(module, grad, method=caller is not None)
-        if torch.is_inference_mode_enabled():  # an inference-mode call is never recomputed, even under enable_grad
-            return  # (recorded, its state would be merged into the record of the training call on its input)
+        if torch.is_inference_mode_enabled():  # never recomputed, even under enable_grad; a record would merge
+            return  # into the record of the training call on the same input
         self.log.record(_calls.leaves(args, kwargs), call, -1 if grad else internals.sequence_nr())
 
     def _call(self, module: torch.nn.Module, grad: bool, method: bool) -> Call:
-        """The record of this call, with grad mode ``grad`` (``method``: of a registered method, which FSDP's pre-
-        and post-forward always cast); first, under autocast with the cast cache on and parameters autocast can
-        cache, the cache's hazards (see :mod:`._cache`)."""
+        """The record of this call under grad mode ``grad`` (``method``: a registered method's, which FSDP's pre-
+        and post-forward always cast). Under autocast with the cache on, first applies the cache decision
+        (:func:`._cache.before_call`) where autocast can cache the parameters."""
         cover = self.cover
         if not self.internals.any_autocast_enabled():
             now = _autocast.ALL_OFF
@@ -141,14 +137,13 @@ class ModuleCover:
 
 
 class Cover:
-    """The patch on one FSDP state: its modules' hooks, its pre- and post-forward as registered methods call them,
+    """The patch on one FSDP state: its modules' covers, its pre- and post-forward as registered methods call them,
     and FSDP's casts where this torch skips them.
 
-    ``register_fsdp_forward_method`` wraps a method so that it calls the state's ``_pre_forward`` and
-    ``_post_forward`` itself, looked up on the state at each call (no module hook runs): the patch puts its own
-    there as attributes of the state (:meth:`_method_pre_forward`, :meth:`_method_post_forward`), which leave
-    FSDP's hooks, bound at ``fully_shard`` time, as they are. So methods registered before and after the patch
-    are recorded and replayed as ``forward`` is."""
+    A method wrapped by ``register_fsdp_forward_method`` runs no module hook: it looks up the state's
+    ``_pre_forward`` and ``_post_forward`` at each call. The patch sets its own as attributes of the state
+    (:meth:`_method_pre_forward`, :meth:`_method_post_forward`); FSDP's hooks, bound at ``fully_shard`` time, are
+    untouched. So methods registered before or after the patch are recorded and replayed as ``forward`` is."""
 
     __slots__ = ("state", "owner", "pre_backward", "torch_skips_casts", "gathers", "device_types", "may_move",
                  "caches_parameters", "modules_of_state", "modules", "fsdp_pre_forward", "fsdp_post_forward",
@@ -208,8 +203,8 @@ class Cover:
 
 
 def _method_frame() -> types.FrameType:
-    """The frame of the registered method that called the state's pre- or post-forward: the first frame above the
-    patch's and torch.compile's wrapper's (both calls of one method call find the same)."""
+    """The frame of the registered method calling the state's pre- or post-forward: the first frame above the
+    patch's and torch.compile's wrappers, so both calls of one method call find the same frame."""
     frame = sys._getframe(2)
     while frame.f_back is not None and (frame.f_code.co_filename == __file__
                                         or frame.f_globals.get("__name__", "").startswith("torch._dynamo")):

@@ -1,11 +1,10 @@
-"""The patch switched on and off: which FSDP states it covers (:mod:`._cover`), and the public calls that put it
-on and take it off.
+"""Switching the patch on and off: which FSDP states it covers (:mod:`._cover`), and the public calls that do it.
 
-Invariant: while :func:`apply` is in force every FSDP state is covered (modules sharded later through the wrapt
-wrapper on ``FSDPState.init``, :mod:`._init_hook`; modules sharded earlier through torch's composable-state
-registry); while any module is covered, FSDPModule's ``register_forward_pre_hook`` is wrapped (:func:`_pre_hook`);
-after :func:`remove` only those of :func:`patched_fully_shard` are, and torch is as it was otherwise. Each call
-checks everything before it changes anything.
+Invariant: while :func:`apply` is in force, every FSDP state is covered: states made later through the wrapt
+wrapper on ``FSDPState.init`` (:mod:`._init_hook`), earlier ones through torch's composable-state registry. While
+any module is covered, ``FSDPModule.register_forward_pre_hook`` is wrapped (:func:`_pre_hook`). After
+:func:`remove` only the modules of :func:`patched_fully_shard` stay covered, and torch is otherwise as it was.
+Each call checks everything before it changes anything.
 """
 
 from __future__ import annotations
@@ -29,15 +28,14 @@ _GLOBAL = "apply"
 _LOCAL = "patched_fully_shard"
 
 _lock = threading.RLock()
-#: id(state) -> Cover. A cover keeps its state (and so the modules) alive, and the modules' hook dicts,
-#: which hold the patch's hooks, keep the cover alive: an entry goes when the model is freed, and the id
-#: cannot be reused meanwhile.
+#: id(state) -> Cover. The cover and the model keep each other alive (the modules' hook dicts hold the patch's
+#: hooks), so an entry goes only when the model is freed, and its id cannot be reused before.
 _covers: weakref.WeakValueDictionary[int, Cover] = weakref.WeakValueDictionary()
 
 
 class _Switch:
-    """The patch's state, on one object: whether :func:`apply` is in force, with ``force=``, and the wrapt wrapper
-    on ``FSDPModule.register_forward_pre_hook`` (on while any module is covered)."""
+    """The patch's global state: whether :func:`apply` is in force and with which ``force``, and the wrapt wrapper
+    on ``FSDPModule.register_forward_pre_hook`` (set while any module is covered)."""
 
     applied = False
     force = False
@@ -48,8 +46,8 @@ _switch = _Switch()
 
 
 def _pre_hook(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    # A pre-hook that lands before FSDP's (prepend=True, maybe added by the module's own override) runs before
-    # it, so the patch's lead pre-hook must be placed before it, before the next call.
+    # A pre-hook registered ahead of FSDP's (prepend=True, maybe by the module's own override) needs the patch's
+    # lead pre-hook placed ahead of it before the next call.
     handle = wrapped(*args, **kwargs)
     cover = _covers.get(id(_internals().state_of(instance)))
     for module_cover in cover.modules if cover is not None else ():
@@ -59,8 +57,8 @@ def _pre_hook(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[s
 
 
 def _wrap_pre_hook_registration(on: bool) -> None:
-    """Wrap ``FSDPModule.register_forward_pre_hook`` while modules are covered; unwrap it
-    after, unless someone wrapped it on top of ours since (ours then stays, inert without covered modules)."""
+    """Wrap ``FSDPModule.register_forward_pre_hook`` (``on``), or unwrap it. If someone wrapped it on top of ours
+    since, ours stays, inert without covered modules. Raises before any change if the class already defines it."""
     cls = _internals().fsdp_module_cls
     current = cls.__dict__.get("register_forward_pre_hook")
     if not _init_hook.in_chain(current, _switch.pre_hook_wrapper):  # never made, or someone took it off
@@ -83,7 +81,7 @@ def _internals() -> _compat.Internals:
 
 
 def _slots_of(state: Any) -> list[tuple[torch.nn.Module, _compat.HookSlots]]:
-    """Check ``state`` and find FSDP's hooks for each of its modules (raises before anything is changed)."""
+    """Check ``state`` and return FSDP's hook slots for each of its modules; raises before anything is changed."""
     for name in ("_training_state", "_mp_policy", "_device", "_state_ctx"):
         if not hasattr(state, name):
             raise _compat.UnsupportedTorchError(f"FSDPState.{name}", "missing on a sharded module's state")
@@ -109,7 +107,7 @@ def _cover_state(state: Any, owner: str) -> int:
 
 
 def _cover_new_state(state: Any) -> None:
-    """After FSDP's init of ``state`` (in ``fully_shard``), while :func:`apply` is in force: cover it."""
+    """Cover ``state`` right after FSDP's init in ``fully_shard``, if :func:`apply` is in force."""
     with _lock:
         if _switch.applied:
             try:
@@ -122,16 +120,15 @@ def _cover_new_state(state: Any) -> None:
 def apply(*, force: bool = False) -> bool:
     """Patch process-wide: every module sharded with ``fully_shard``, before or after this call.
 
-    Idempotent. Returns True if it changed anything (first call, or a new ``force``). It settles a pending
-    auto-apply (``FSDP_AUTOCAST_FIX=1``): the call's own ``force`` holds.
-    On a torch whose recompute already casts (2.13+), the cast replay is left to torch
-    unless ``force=True`` (then every covered module replays the casts while the patch is in
-    force, ``patched_fully_shard``'s too); the per-call autocast replay and the autocast
-    cache fix are active on every torch.
+    Idempotent; returns True if it changed anything (the first call, or a new ``force``). A pending auto-apply
+    (``FSDP_AUTOCAST_FIX=1``) is dropped: this call's ``force`` holds.
+
+    The autocast replay and the autocast cache fix work on every torch. On a torch whose recompute already casts
+    (2.13+), FSDP's casts are left to torch unless ``force=True``: then every covered module replays them while the
+    patch is in force, :func:`patched_fully_shard`'s too.
 
     Raises:
-        UnsupportedTorchError: an internal the patch relies on is missing or changed;
-            nothing is patched.
+        UnsupportedTorchError: an internal the patch relies on is missing or changed; nothing is patched.
     """
     internals = _internals()
     _autoapply.cancel()  # the user's own call settles a pending auto-apply
@@ -167,10 +164,10 @@ def apply(*, force: bool = False) -> bool:
 
 
 def remove() -> None:
-    """Undo everything :func:`apply` did, modules it retrofitted included.
+    """Undo everything :func:`apply` did, including the modules it retrofitted.
 
-    Modules sharded with :func:`patched_fully_shard` stay covered. A no-op when
-    nothing is applied, but for dropping a pending auto-apply.
+    Modules sharded with :func:`patched_fully_shard` stay covered. When nothing is applied, it only drops a pending
+    auto-apply.
     """
     _autoapply.cancel()  # the user's own call settles a pending auto-apply
     with _lock:
@@ -210,10 +207,9 @@ def patched_fully_shard(*args: Any, **kwargs: Any) -> Any:
     Same signature, return value and errors as the installed ``fully_shard``.
 
     Raises:
-        UnsupportedTorchError: before sharding, if an internal the patch relies on
-            is missing or changed; after sharding, if FSDP's hooks are not where
-            ``fully_shard`` registers them (someone replaced ``FSDPState._pre_forward``,
-            say): the modules are then sharded but not covered, and the error says so.
+        UnsupportedTorchError: before sharding, if an internal the patch relies on is missing or changed; after
+            sharding, if FSDP's hooks are not where ``fully_shard`` registers them (say someone replaced
+            ``FSDPState._pre_forward``): the modules are then sharded but not covered, and the error says so.
     """
     internals = _internals()
     result = internals.fully_shard(*args, **kwargs)

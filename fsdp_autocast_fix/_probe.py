@@ -1,10 +1,9 @@
-"""A tiny live probe: the patterns behind pytorch issue 148831, stock and patched, on this machine.
+"""A small live probe: the patterns behind pytorch issue 148831, stock and patched, on this machine.
 
-World size 1: gloo on CPU, or NCCL when CUDA is present. Each pattern runs once without checkpointing
-(the reference), once with stock ``fully_shard`` and once with ``patched_fully_shard``, and reports
-``ok`` (gradients bitwise equal to the reference), ``wrong gradients`` or ``fails: <error>``. Used by
-``python -m fsdp_autocast_fix demo`` (in process) and ``doctor`` (in a subprocess, so the probe sees a
-stock torch).
+It runs at world size 1: gloo on CPU, NCCL with CUDA. Each pattern runs without checkpointing (the reference), then
+with stock ``fully_shard`` and with ``patched_fully_shard``, and gets ``ok`` (gradients bitwise equal to the
+reference), ``wrong gradients`` or ``fails: <exception type>``. ``python -m fsdp_autocast_fix demo`` runs it in
+process; ``doctor`` runs it in a subprocess, so that it sees stock torch.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ DIM = 64
 
 
 class _GeluLinear(nn.Module):
-    """The seed report's module: an elementwise op, then a linear layer."""
+    """The seed report's module: gelu (``float_first``: ``x.float()``, then a square), then a linear layer."""
 
     def __init__(self, float_first: bool = False) -> None:
         super().__init__()
@@ -42,7 +41,7 @@ class _GeluLinear(nn.Module):
 
 
 class NoAutocastRestore(torch.autograd.Function):
-    """A checkpoint that re-runs forward in backward without restoring autocast (as some libraries do)."""
+    """A checkpoint that reruns forward in backward without restoring autocast, as some libraries do."""
 
     @staticmethod
     def forward(ctx: Any, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +61,7 @@ class NoAutocastRestore(torch.autograd.Function):
 
 
 class _Parent(nn.Module):
-    """A checkpointed block holding a block sharded on its own (pytorch issues 153354, 187437)."""
+    """A checkpointed block with a child sharded on its own (pytorch issues 153354, 187437)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -85,7 +84,7 @@ PATTERNS: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
 
 def _grads(device: torch.device, shard: Callable[..., Any], module_kwargs: dict[str, Any],
            policy_kwargs: dict[str, Any], kind: str, use_checkpoint: bool = True) -> list[torch.Tensor]:
-    """The gradients of one step of the pattern (``use_checkpoint=False``: the same step without checkpoint)."""
+    """The input and parameter gradients of one step of the pattern (``use_checkpoint=False``: without checkpoint)."""
     fsdp = _compat.fsdp_package()
     torch.manual_seed(0)
     policy = fsdp.MixedPrecisionPolicy(**policy_kwargs)
@@ -128,7 +127,7 @@ def can_probe() -> str | None:
 
 
 def run() -> list[dict[str, str]]:
-    """Run every pattern in a world-size-1 process group of its own; one result dict per pattern."""
+    """Run every pattern in a world-size-1 process group it creates and destroys; return one dict per pattern."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:

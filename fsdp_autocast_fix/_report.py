@@ -1,8 +1,8 @@
 """What the patch did in this process: counts kept where it acts, never on the ordinary forward.
 
-Invariant: every count is added on a path that runs only when the patch changes something or sees a recompute
-(the replay, the cast cache's drop and shield), so a report costs an ordinary forward nothing; the counts start at
-zero when the process starts, at :func:`fsdp_autocast_fix.apply` and at ``report(reset=True)``.
+Invariant: counts are added only where the patch changes something or sees a recompute (the replay, the cast
+cache's drop and shield), so the report costs an ordinary forward nothing. Counts start at zero at process start,
+at :func:`fsdp_autocast_fix.apply` and at ``report(reset=True)``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Mapping
 #: The environment variable that prints the report at interpreter exit: ``1`` on rank 0, ``all`` on every rank.
 ENV = "FSDP_AUTOCAST_FIX_REPORT"
 
-_lock = threading.Lock()  # guards _counts and _reasons (a count and its reason fall on one side of a reset)
+_lock = threading.Lock()  # guards _counts and _reasons (a count and its reason fall on the same side of a reset)
 _counts: Counter[tuple[str, str]] = Counter()  # (module class, field) -> count
 _reasons: dict[str, set[str]] = {}  # module class -> why its recomputes could not be identified
 _armed = False
@@ -40,30 +40,31 @@ class ModuleReport:
     unidentified: int = 0
 
     def replayed(self) -> int:
-        """How many things the patch replayed that the recompute would have lost: autocast states, casts, moves."""
+        """How many things the patch replayed that the recompute would have lost: autocast states, casts, root
+        moves, parameter gathers."""
         return self.autocast_changed + self.input_casts + self.output_casts + self.root_moves + self.param_gathers
 
 
 @dataclass(frozen=True)
 class Report(ModuleReport):
-    """What the patch did in this process since :func:`fsdp_autocast_fix.apply` (or ``report(reset=True)``).
+    """What the patch did in this process since the last :func:`fsdp_autocast_fix.apply` or ``report(reset=True)``.
 
     Attributes:
-        recomputes: recomputes of covered modules it saw (each replayed call of a checkpointed region).
-        autocast_changed: recomputes whose autocast state it changed to the one their forward call ran under
-            (the checkpoint had not restored it).
-        input_casts: FSDP ``MixedPrecisionPolicy`` input casts it replayed that torch skipped in the recompute.
+        recomputes: recomputed calls of covered modules it saw (calls nested inside one are not counted).
+        autocast_changed: recomputes it switched to the autocast state of their forward call (the checkpoint had
+            not restored it).
+        input_casts: FSDP ``MixedPrecisionPolicy`` input casts it replayed where torch skipped them in the recompute.
         output_casts: FSDP ``output_dtype`` casts it replayed likewise.
         root_moves: FSDP root input moves to the device it replayed (no torch release replays them).
-        param_gathers: recomputes in which it gathered parameters resharded since the forward, which torch
-            before 2.11 leaves sharded ("mixed torch.Tensor and DTensor", pytorch issues 153354 and 187437).
-        cache_drops: times it dropped autocast's cached casts before a grad-enabled call because a recompute (or
-            a ``no_grad`` call through ``preserve_autocast``) cached casts since (pytorch issue 158232): where that
-            call's autocast region was still open, its casts would have cost the parameter gradients; where the
-            region had ended (backward outside autocast), the cache was already empty and the drop changed nothing.
-        cache_shields: ``no_grad`` calls under autocast whose casts it kept out of autocast's cache, followed by
-            a grad-enabled call of the same module (pytorch issue 158232): where both ran in one autocast region,
-            the second would otherwise have reused the first's casts and lost its parameter gradients.
+        param_gathers: recomputes in which it gathered parameters resharded since the forward, which torch before
+            2.11 leaves sharded ("mixed torch.Tensor and DTensor", pytorch issues 153354 and 187437).
+        cache_drops: times it cleared autocast's cache before a grad-enabled call because casts made since by a
+            recompute or an unshielded ``no_grad`` call were (or might be) still cached; reused, they would have
+            cost that call's parameter gradients (pytorch issue 158232).
+        cache_shields: ``no_grad`` calls under autocast whose casts it kept out of autocast's cache and that were
+            followed, in the same autocast region, by a grad-enabled call of the same sharded module (or
+            ``fully_shard`` group), which would otherwise have reused those casts and lost its parameter gradients
+            (pytorch issue 158232).
         unidentified: recomputes whose forward call it could not identify (left as the checkpoint set them).
         unidentified_reasons: why, per module class.
         by_module: the counts per sharded module class.
@@ -88,7 +89,7 @@ class Report(ModuleReport):
         return "\n".join(lines)
 
     def advice(self) -> str:
-        """One line: whether the patch changed anything in this run, and what that means for keeping it."""
+        """One line: whether the patch changed anything in this run, and whether to keep it."""
         seen = f"{self.recomputes} recomputes seen" if self.recomputes else "no recompute seen"
         if self.replayed():
             fixed = [f"{n} {label}" for n, label in ((self.autocast_changed, "autocast states"),
@@ -123,14 +124,14 @@ def count(cls: str, what: str) -> None:
 
 
 def unidentified(cls: str, reason: str) -> None:
-    """A recompute of a ``cls`` module whose call was not identified, and why."""
+    """Count a recompute of a ``cls`` module whose call was not identified, with ``reason``."""
     with _lock:
         _counts[cls, "unidentified"] += 1
         _reasons.setdefault(cls, set()).add(reason)
 
 
 def snapshot(reset: bool = False) -> Report:
-    """The counts as a :class:`Report`; ``reset`` starts them again at zero."""
+    """The counts as a :class:`Report`; ``reset`` zeroes them after reading."""
     with _lock:
         counts = dict(_counts)
         reasons = {cls: tuple(sorted(r)) for cls, r in _reasons.items()}
@@ -146,7 +147,7 @@ def snapshot(reset: bool = False) -> Report:
 
 
 def reset() -> None:
-    """Start every count again at zero."""
+    """Zero every count."""
     snapshot(reset=True)
 
 
