@@ -8,6 +8,7 @@ at :func:`fsdp_autocast_fix.apply` and at ``report(reset=True)``.
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 import sys
 import threading
@@ -19,7 +20,9 @@ from typing import Mapping
 #: The environment variable that prints the report at interpreter exit: ``1`` on rank 0, ``all`` on every rank.
 ENV = "FSDP_AUTOCAST_FIX_REPORT"
 
-_lock = threading.Lock()  # guards _counts and _reasons (a count and its reason fall on the same side of a reset)
+#: Guards _counts and _reasons (a count and its reason fall on the same side of a reset). Reentrant: a signal
+#: handler or a finalizer that runs while its thread counts may call report().
+_lock = threading.RLock()
 _counts: Counter[tuple[str, str]] = Counter()  # (module class, field) -> count
 _reasons: dict[str, set[str]] = {}  # module class -> why its recomputes could not be identified
 _armed = False
@@ -119,8 +122,9 @@ class Report(ModuleReport):
 
 def count(cls: str, what: str) -> None:
     """Add one to ``what`` (a :class:`ModuleReport` field) for module class ``cls``."""
+    key = cls, what
     with _lock:
-        _counts[cls, what] += 1
+        _counts[key] += 1
 
 
 def unidentified(cls: str, reason: str) -> None:
@@ -162,6 +166,8 @@ def arm_exit_report() -> None:
 
 
 def _print_at_exit(every_rank: bool) -> None:
+    if multiprocessing.parent_process() is not None and not _used():
+        return  # a worker process (a DataLoader's) that imported the package and never used the patch
     rank = _rank()
     if every_rank or rank in (None, 0):
         prefix = f"[rank {rank}] " if every_rank and rank is not None else ""
@@ -183,3 +189,18 @@ def _rank() -> int | None:
     except Exception:  # pragma: no cover - a torch without distributed
         return None
 
+
+def _used() -> bool:
+    """Whether the patch was applied, covered a module or counted anything in this process."""
+    from . import _patch
+
+    return bool(_counts) or _patch.is_applied() or _patch.covered_modules() > 0
+
+
+def _new_lock_in_child() -> None:
+    global _lock
+    _lock = threading.RLock()  # a fork while another thread held it would leave it held in the child
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)

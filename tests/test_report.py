@@ -181,6 +181,51 @@ def test_counts_of_other_threads_outlive_them_and_reset() -> None:
     assert _counts(_report_of(cell)) == _expect(recomputes=1, autocast_changed=1)  # this thread's, after a reset
 
 
+
+def test_report_while_its_thread_counts() -> None:
+    """A signal handler or a finalizer may run while its thread holds the counts' lock (inside a count) and call
+    ``report()``: it returns instead of waiting for itself."""
+    done = threading.Event()
+
+    def inside_a_count() -> None:
+        with _report._lock:
+            fsdp_autocast_fix.report()
+        done.set()
+
+    thread = threading.Thread(target=inside_a_count, daemon=True)
+    thread.start()
+    assert done.wait(timeout=60), "report() waited for a lock its own thread holds"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX only")
+def test_report_in_a_child_forked_while_another_thread_counts() -> None:
+    """A process forked while another thread holds the counts' lock gets a free one: its report does not hang."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _report._lock:
+            holding.set()
+            release.wait(timeout=60)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert holding.wait(timeout=60)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: report, or be stopped by the alarm (exit code 3 via SIGALRM's default)
+            import signal
+
+            signal.signal(signal.SIGALRM, lambda *_: os._exit(3))
+            signal.alarm(20)
+            fsdp_autocast_fix.report()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        thread.join()
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's report hung on the inherited lock"
+
+
 def test_counting_stays_off_the_ordinary_forward() -> None:
     """Ordinary forwards, with and without autocast, grad on and off, count nothing."""
     fsdp_autocast_fix.report(reset=True)

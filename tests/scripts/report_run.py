@@ -1,9 +1,11 @@
 """A training step the report tests run in a fresh interpreter (``torchrun`` or plain): one step of a sharded
 block under autocast, checkpointed with a hand-written checkpoint that does not restore autocast, ``apply()``
-first. With ``FSDP_AUTOCAST_FIX_REPORT`` set, the report is printed at exit."""
+first, then a spawned worker process that imports the package and exits (a DataLoader's). With
+``FSDP_AUTOCAST_FIX_REPORT`` set, the report is printed at exit, by the training process only."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 
@@ -25,7 +27,15 @@ def main() -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
     step()  # its sharded module is freed on return, before the group goes
     tear_down()
+    worker = multiprocessing.get_context("spawn").Process(target=_worker)
+    worker.start()
+    worker.join()
+    assert worker.exitcode == 0, worker.exitcode
     print("step done")
+
+
+def _worker() -> None:
+    """A process that imports the package (with this script) and never uses the patch."""
 
 
 def step() -> None:
