@@ -134,7 +134,3 @@ def report(*, reset: bool = False) -> Report:
     interpreter exit on rank 0 (``=all``: every rank), also under the auto-apply.
     """
     return _report.snapshot(reset=reset)
-
-
-_report.arm_exit_report()
-

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _autocast, _cache, _calls, _compat, _replay
+from . import _autocast, _cache, _calls, _compat, _replay, _report
 from ._calls import Call
 from ._hooks import Placement, eager
 from ._replay import ALL_CAST, Replayer
@@ -170,6 +170,7 @@ class Cover:
         self.fsdp_post_forward = types.MethodType(state_cls._post_forward, state)
         self.method_hooks = (eager(self._method_pre_forward), eager(self._method_post_forward))
         _compat.set_method_forwards(state, self.method_hooks)
+        _report.arm_exit_report()  # a process that covers a module prints the report at exit, if asked
 
     def _module(self, module: torch.nn.Module) -> ModuleCover | None:
         return next((m for m, of in zip(self.modules, self.modules_of_state) if of is module), None)

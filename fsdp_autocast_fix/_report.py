@@ -8,7 +8,6 @@ at :func:`fsdp_autocast_fix.apply` and at ``report(reset=True)``.
 from __future__ import annotations
 
 import atexit
-import multiprocessing
 import os
 import sys
 import threading
@@ -122,9 +121,8 @@ class Report(ModuleReport):
 
 def count(cls: str, what: str) -> None:
     """Add one to ``what`` (a :class:`ModuleReport` field) for module class ``cls``."""
-    key = cls, what
     with _lock:
-        _counts[key] += 1
+        _counts[cls, what] += 1
 
 
 def unidentified(cls: str, reason: str) -> None:
@@ -156,7 +154,8 @@ def reset() -> None:
 
 
 def arm_exit_report() -> None:
-    """Print the report at interpreter exit where :data:`ENV` asks for it (once per process)."""
+    """Print the report at interpreter exit where :data:`ENV` asks for it (once per process). Called when the
+    process covers its first module, so a process that never uses the patch (a DataLoader worker) prints none."""
     global _armed
     wanted = os.environ.get(ENV, "").strip().lower()
     if wanted not in ("1", "all") or _armed:
@@ -166,8 +165,6 @@ def arm_exit_report() -> None:
 
 
 def _print_at_exit(every_rank: bool) -> None:
-    if multiprocessing.parent_process() is not None and not _used():
-        return  # a worker process (a DataLoader's) that imported the package and never used the patch
     rank = _rank()
     if every_rank or rank in (None, 0):
         prefix = f"[rank {rank}] " if every_rank and rank is not None else ""
@@ -188,13 +185,6 @@ def _rank() -> int | None:
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
     except Exception:  # pragma: no cover - a torch without distributed
         return None
-
-
-def _used() -> bool:
-    """Whether the patch was applied, covered a module or counted anything in this process."""
-    from . import _patch
-
-    return bool(_counts) or _patch.is_applied() or _patch.covered_modules() > 0
 
 
 def _new_lock_in_child() -> None:
