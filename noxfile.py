@@ -36,6 +36,9 @@ def _install_torch(session: nox.Session, version: str) -> None:
     session.install(f"torch=={version}")  # uv honours UV_FIND_LINKS from the environment
 
 
+#: The torch that runs the tests marked ``once`` (the package's own tooling, alike on every torch); the other CI
+#: torches deselect them.
+ONCE = "2.12.1"
 #: Grid cells each CI torch samples (tests/test_grid.py), each with a seed of its own so that together they
 #: cover more of the space: the most on the buggy torch most users run.
 GRID = {"2.5.1": (150, 1), "2.7.1": (150, 2), "2.12.1": (400, 0), "2.13.0": (150, 3)}
@@ -56,11 +59,14 @@ def _pytest(session: nox.Session, torch: str, grid: tuple[int, int], ignored: li
 @nox.parametrize("torch", CI, ids=CI)
 def tests(session: nox.Session, torch: str) -> None:
     """The whole suite against one torch release, its own grid sample (:data:`GRID`); the benchmarks' smoke runs
-    on the torches they measure on, the instruction counts on the first of them."""
+    on the torches they measure on, the instruction counts on the first of them, the tests marked ``once`` on
+    :data:`ONCE`."""
     _install_torch(session, torch)
     session.install("-e", ".[test]")
     ignored = TRANSFORMERS_TESTS + ([] if torch in BENCH_TORCHES else ["tests/test_benchmarks_smoke.py"])
     deselect = ["-k", f"not ({INSTRUCTION_SMOKES if torch in BENCH_TORCHES[1:] else BENCH_ONLY_SMOKES})"]
+    if torch != ONCE:
+        deselect += ["-m", "not once"]
     _pytest(session, torch, GRID[torch], ignored, *deselect)
 
 

@@ -255,6 +255,7 @@ def _run(env: dict[str, str], ranks: int) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=full_env)
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("ranks,value,printed", [(1, "1", 1), (1, "", 0), (2, "1", 1), (2, "all", 2)])
 def test_exit_report(ranks: int, value: str, printed: int) -> None:
     proc = _run({"FSDP_AUTOCAST_FIX_REPORT": value}, ranks)

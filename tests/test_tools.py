@@ -27,9 +27,15 @@ def _python(*args: str, env: dict[str, str] | None = None, **kwargs) -> subproce
                           timeout=600, cwd=ROOT, **kwargs)
 
 
-def test_doctor_json_and_exit_code() -> None:
+@pytest.fixture(scope="module")
+def doctor_run() -> tuple[subprocess.CompletedProcess, dict]:
+    """One ``doctor --json`` in a fresh interpreter (its live probe takes seconds), and the report it printed."""
     proc = _python("-m", "fsdp_autocast_fix", "doctor", "--json")
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_doctor_json_and_exit_code(doctor_run) -> None:
+    proc, report = doctor_run
     assert report["torch"] == torch.__version__
     assert report["needs_cast_replay"] is _compat.load().needs_cast_replay
     assert report["patch_active_in_this_process"] is False
@@ -48,13 +54,16 @@ def test_doctor_json_and_exit_code() -> None:
     assert "apply()" in report["advice"]
 
 
-def test_doctor_points_to_the_report_for_the_users_own_run() -> None:
-    from fsdp_autocast_fix.__main__ import REPORT_HINT
+def test_doctor_points_to_the_report_for_the_users_own_run(doctor_run, monkeypatch, capsys) -> None:
+    """The plain-text doctor, given the report of the run above, ends with the pointer to the run's own report."""
+    from fsdp_autocast_fix import __main__ as cli
 
-    proc = _python("-m", "fsdp_autocast_fix", "doctor")
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1] == REPORT_HINT
-    assert "FSDP_AUTOCAST_FIX_REPORT=1" in REPORT_HINT
+    _proc, report = doctor_run
+    monkeypatch.setattr(cli, "doctor", lambda: report)
+    assert cli.main(["doctor"]) == report["exit_code"] == 1
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-2] == report["advice"] and printed[-1] == cli.REPORT_HINT
+    assert "FSDP_AUTOCAST_FIX_REPORT=1" in cli.REPORT_HINT
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["doctor"], ["autoapply"]])
