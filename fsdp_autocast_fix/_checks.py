@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
+
+from . import _compat
 
 #: The ``determinism_check`` name this check is registered under.
 VALUE_CHECK = "fsdp_autocast_fix.values"
@@ -42,21 +43,13 @@ def value_metadata(x: torch.Tensor) -> dict[str, Any]:
     return meta
 
 
-def _registry() -> dict[str, Any]:
-    registry = getattr(torch_checkpoint, "_allowed_determinism_checks_to_fns", None)
-    if not isinstance(registry, dict):
-        raise RuntimeError(
-            f"torch {torch.__version__} has no determinism_check registry in torch.utils.checkpoint; "
-            "the value-level recompute check needs one")
-    return registry
-
-
 def register_value_check() -> str:
     """Register the check with ``torch.utils.checkpoint``; return its ``determinism_check`` name (:data:`VALUE_CHECK`).
 
     Raises ``RuntimeError`` where this torch has no ``determinism_check`` registry."""
+    registry, _default = _compat.determinism_checks()
     with _lock:
-        _registry()[VALUE_CHECK] = value_metadata
+        registry[VALUE_CHECK] = value_metadata
     return VALUE_CHECK
 
 
@@ -68,8 +61,7 @@ def check_recompute() -> Iterator[None]:
     compares with the check in force when its forward ran. Raises ``RuntimeError`` as :func:`register_value_check`.
     """
     register_value_check()
-    registry = _registry()
-    default = getattr(torch_checkpoint, "_DEFAULT_DETERMINISM_MODE", "default")
+    registry, default = _compat.determinism_checks()
     with _lock:
         previous = registry[default]
         registry[default] = value_metadata

@@ -615,6 +615,16 @@ def torch_recompute_regions() -> int | None:
     return None
 
 
+def determinism_checks() -> tuple[dict[str, Any], str]:
+    """``torch.utils.checkpoint``'s registry of ``determinism_check`` functions, and the name of the default one
+    (what the value-level recompute check uses; the patch does not). ``RuntimeError`` where this torch has none."""
+    registry = getattr(torch.utils.checkpoint, "_allowed_determinism_checks_to_fns", None)
+    if not isinstance(registry, dict):
+        raise RuntimeError(f"torch {torch.__version__} has no determinism_check registry in torch.utils.checkpoint; "
+                           "the value-level recompute check needs one")
+    return registry, getattr(torch.utils.checkpoint, "_DEFAULT_DETERMINISM_MODE", "default")
+
+
 def fsdp_package() -> Any:
     """``torch.distributed.fsdp`` where it exports ``fully_shard`` (2.6+), else the 2.4/2.5 path."""
     for name in _FSDP_PACKAGES:
