@@ -1,4 +1,4 @@
-"""Command line: ``python -m fsdp_autocast_fix {demo,doctor,autoapply}`` (also ``fsdp-autocast-fix``).
+"""Command line: ``python -m fsdp_autocast_fix {doctor,autoapply}`` (also ``fsdp-autocast-fix``).
 
 Each command documents its exit codes in its ``--help``; README lists them too.
 """
@@ -86,12 +86,9 @@ REPORT_HINT = ("for your own run: FSDP_AUTOCAST_FIX_REPORT=1 prints at exit what
 DESCRIPTION = ("Make a checkpointed fully_shard (FSDP2) module recompute exactly what its forward computed "
                "(pytorch issue 148831). Run a command with --help for what it does and its exit codes.")
 EPILOG = "exit codes: those of the command; 2 also for a bad command line"
-DEMO_HELP = ("the seed report's patterns, stock and patched, side by side, by a live probe in this process "
-             "(world size 1: gloo on CPU, NCCL with CUDA); stock torch even where FSDP_AUTOCAST_FIX is set")
-DEMO_EXIT = ("exit codes: 0 the patch fixes every pattern; 1 it does not fix one, or the probe cannot run here "
-             "(torch < 2.7 without CUDA)")
-DOCTOR_HELP = ("does this torch need the patch, and is it active in this process? A live probe runs stock and "
-               "patched in a subprocess; one line of advice")
+DOCTOR_HELP = ("does this torch need the patch, and is it active in this process? A live probe runs the seed "
+               "report's patterns stock and patched side by side in a subprocess (world size 1: gloo on CPU, NCCL "
+               "with CUDA); one line of advice")
 DOCTOR_EXIT = ("exit codes: 0 nothing to do, or the patch is active and fixes every pattern; 1 the patch is "
                "needed and not active (the advice says how); 2 this torch is not supported, or the patch does "
                "not fix a pattern")
@@ -103,8 +100,7 @@ AUTOAPPLY_EXIT = "exit codes: 0 done (also when there was nothing to remove); 1 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-autocast-fix", description=DESCRIPTION, epilog=EPILOG)
     # metavar lists the public commands; "probe" (doctor's subprocess) has no help, so it is not listed.
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,doctor,autoapply}")
-    sub.add_parser("demo", help=DEMO_HELP, description=DEMO_HELP, epilog=DEMO_EXIT)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,autoapply}")
     doc = sub.add_parser("doctor", help=DOCTOR_HELP, description=DOCTOR_HELP, epilog=DOCTOR_EXIT)
     doc.add_argument("--json", action="store_true", help="print one JSON object")
     sub.add_parser("probe", description="the doctor's live probe as JSON (run by the doctor in a subprocess)")
@@ -151,21 +147,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if _autoapply.cancel() or status().patched_globally:  # "stock" must mean stock torch
         remove()
-        print(f"note: {ENV_VAR} is set; the patch is not applied in this process, so that stock "
-              "means stock", file=sys.stderr)
     reason = _probe.can_probe()
     if reason is not None:
         print(f"cannot run the probe here: {reason}", file=sys.stderr)
         return 1
-    results = _probe.run()
-    if args.command == "probe":
-        print(json.dumps(results))
-        return 0
-    import torch
-
-    print(f"torch {torch.__version__}")
-    print(_probe.table(results))
-    return 0 if all(r["patched"] == "ok" for r in results) else 1
+    print(json.dumps(_probe.run()))  # the "probe" command: the doctor's subprocess
+    return 0
 
 
 if __name__ == "__main__":

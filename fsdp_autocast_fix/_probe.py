@@ -2,8 +2,8 @@
 
 It runs at world size 1: gloo on CPU, NCCL with CUDA. Each pattern runs without checkpointing (the reference), then
 with stock ``fully_shard`` and with ``patched_fully_shard``, and gets ``ok`` (gradients bitwise equal to the
-reference), ``wrong gradients`` or ``fails: <exception type>``. ``python -m fsdp_autocast_fix demo`` runs it in
-process; ``doctor`` runs it in a subprocess, so that it sees stock torch.
+reference), ``wrong gradients`` or ``fails: <exception type>``. ``python -m fsdp_autocast_fix doctor`` runs it in
+a subprocess, so that it sees stock torch.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""doctor, demo, auto-apply (in subprocesses) and the value-level recompute check."""
+"""doctor, auto-apply (in subprocesses) and the value-level recompute check."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_doctor_points_to_the_report_for_the_users_own_run(doctor_run, monkeypat
     assert "FSDP_AUTOCAST_FIX_REPORT=1" in cli.REPORT_HINT
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["doctor"], ["autoapply"]])
+@pytest.mark.parametrize("command", [[], ["doctor"], ["autoapply"]])
 def test_help_documents_every_command_and_its_exit_codes(command: list[str], capsys) -> None:
     from fsdp_autocast_fix.__main__ import main
 
@@ -79,19 +79,8 @@ def test_help_documents_every_command_and_its_exit_codes(command: list[str], cap
     if command:
         assert f"usage: fsdp-autocast-fix {command[0]} " in text and "exit codes: 0 " in text
     else:  # the doctor's subprocess command "probe" stays hidden
-        assert "{demo,doctor,autoapply}" in text and "exit codes: " in text
+        assert "{doctor,autoapply}" in text and "exit codes: " in text
         assert not re.search(r"^\s+probe\b", out, re.M), out
-
-
-def test_demo() -> None:
-    proc = _python("-m", "fsdp_autocast_fix", "demo")
-    if _probe.can_probe() is not None:  # documented: exit 1 where the probe cannot run (torch < 2.7, no CUDA)
-        assert proc.returncode == 1 and f"cannot run the probe here: {_probe.can_probe()}" in proc.stderr
-        return
-    assert proc.returncode == 0, proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if not line.startswith("[Gloo]")]  # gloo 2.8-2.10 prints
-    assert lines[0] == f"torch {torch.__version__}"
-    assert all(line.rstrip().endswith("| ok") for line in lines[2:]), proc.stdout
 
 
 def test_pth_line_imports_nothing_without_the_variable(tmp_path) -> None:
