@@ -568,7 +568,6 @@ _REENTRANT_CODE = getattr(getattr(getattr(torch.utils.checkpoint, "CheckpointFun
                           "__code__", None)
 _CHECKPOINT_FILE = next((c.co_filename for c in (_RECOMPUTE_CODE, _REENTRANT_CODE) if c is not None), None)
 _CHECKPOINT_MODULE_FILE = torch.utils.checkpoint.__file__
-_autocast_cls = torch.autocast
 #: How far up the stack :func:`torch_recompute_regions` looks: the covered module's call is a few frames below.
 _RECOMPUTE_DEPTH = 32
 
@@ -610,7 +609,7 @@ def torch_recompute_regions() -> int | None:
                 pass
             else:
                 return None
-            return 1 + isinstance(names.get("device_autocast_ctx"), _autocast_cls)
+            return 1 + isinstance(names.get("device_autocast_ctx"), torch.autocast)
         frame = frame.f_back
     return None
 
