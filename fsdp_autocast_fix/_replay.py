@@ -45,15 +45,17 @@ logger = logging.getLogger("fsdp_autocast_fix")
 
 class _Thread(threading.local):
     """This thread's replay state: its outermost recomputes in flight (``frames``), its current :class:`Region`,
-    how many :func:`restored` blocks it is in, the registered methods' replays in flight (``methods``), and the
-    backward whose end is queued to clean up after them and the region (``ending``, :func:`_end_of_backward`)."""
+    the backward whose end releases its hold (``ending``), how many :func:`restored` blocks it is in, and the
+    registered methods' replays in flight (``methods``), with the backward whose end sweeps those left behind
+    (``sweeping``)."""
 
     def __init__(self) -> None:
         self.frames: list[Replay] = []
         self.region: Region | None = None
+        self.ending: int | None = None
         self.restored = 0
         self.methods: list[Replay] = []
-        self.ending: int | None = None
+        self.sweeping: int | None = None
 
 
 _tls = _Thread()
@@ -108,13 +110,16 @@ class Region:
         return _tls.region
 
     def start(self) -> None:
-        """Make this the thread's current region (the one before was released). A hold in a backward is released
-        at its end, if not before (:func:`_end_of_backward`)."""
+        """Make this the thread's current region (the one before was released). A hold in a backward queues
+        :func:`_end_of_backward`, once per backward and thread, to release whichever region holds at its end."""
         global held
         _tls.region = self
         if self.entered is not None:
             held += 1
-            _queue_end_of_backward(self.where[0])
+            graph_task = self.where[0]
+            if graph_task != -1 and _tls.ending != graph_task:
+                _tls.ending = graph_task
+                _compat.load().queue_backward_callback(functools.partial(_end_of_backward, graph_task))
 
 
 @contextlib.contextmanager
@@ -154,21 +159,12 @@ def _end(region: Region, restore: bool = False) -> None:
         region.entered.release(restore)
 
 
-def _queue_end_of_backward(graph_task: int) -> None:
-    """Have :func:`_end_of_backward` run at the end of backward ``graph_task``, once per backward and thread."""
-    if graph_task != -1 and _tls.ending != graph_task:
-        _tls.ending = graph_task
-        _compat.load().queue_backward_callback(functools.partial(_end_of_backward, graph_task))
-
-
 def _end_of_backward(graph_task: int) -> None:
-    """At the end of backward ``graph_task``: undo the registered methods' replays it left behind, then release
-    this thread's region if it belongs to that backward. The pending mark is cleared first, so a hold or a method's
-    replay started later in the same backward (a final callback's forward) queues its own end."""
+    """At the end of backward ``graph_task``: release this thread's region if it belongs to that backward. The
+    pending mark is cleared first, so a hold started later in the same backward (a final callback's forward)
+    queues its own release."""
     if _tls.ending == graph_task:
         _tls.ending = None
-    if _tls.methods:
-        _drop_unwound()
     region = _tls.region
     if region is not None and region.where[0] == graph_task and (
             region.entered is None or region.entered.thread == threading.get_ident()):
@@ -201,6 +197,14 @@ def _drop_unwound() -> None:
         frame = frame.f_back
     for replay in [r for r in _tls.methods if id(r.caller) not in live]:
         replay.owner.abandon(replay)  # type: ignore[union-attr]
+
+
+def _sweep_methods(graph_task: int) -> None:
+    """The end of backward ``graph_task``: drop the registered methods' replays it left behind."""
+    if _tls.sweeping == graph_task:
+        _tls.sweeping = None
+    if _tls.methods:
+        _drop_unwound()
 
 
 class Replay:
@@ -243,7 +247,10 @@ class _Undo:
         if caller is not None:
             replay.caller = caller
             _tls.methods.append(replay)
-            _queue_end_of_backward(_compat.load().graph_task_id())
+            graph_task = _compat.load().graph_task_id()
+            if _tls.sweeping != graph_task:
+                _tls.sweeping = graph_task
+                _compat.load().queue_backward_callback(functools.partial(_sweep_methods, graph_task))
             return
         if replay.cast_out:
             self.placement.swap_post(True)
