@@ -8,8 +8,7 @@ pass reduced the gradients. Two kinds of covered call make such casts:
 
 * A call under ``no_grad`` (an eval pass, a reentrant checkpoint's forward) is *shielded* (:func:`shield`): its
   gathered parameters carry torch's mark that keeps a tensor's casts out of autocast's cache
-  (:class:`~._compat.CacheMarks`), so it neither caches a cast nor reuses one. Where this torch's autocast does not
-  honour the marks, the call notes a hazard instead.
+  (:class:`~._compat.CacheMarks`), so it neither caches a cast nor reuses one.
 * A recompute in a backward notes a *hazard* for its FSDP state: its casts must not reach the state's calls outside
   that backward (a second backward with ``retain_graph``, the next forward in the same region). Unless
   ``torch.utils.checkpoint`` runs it inside its own autocast regions and no other: leaving them clears the cache
@@ -113,12 +112,9 @@ def before_call(state: Any, task: int, grad: bool, device_types: tuple[str, ...]
     pre-forward. ``task``: its graph task (-1 outside backward); ``trainable()``: :func:`trainable_casts` for the
     state, asked only where it matters.
 
-    A ``no_grad`` call is shielded after FSDP's pre-forward (:func:`shield`), or notes a hazard where the marks do
-    not work. A grad-enabled call takes its state's marks off, drops the cache where a hazard applies
-    (:func:`check`), then, in a recompute, notes its own casts."""
+    A ``no_grad`` call is left to :func:`shield`, after FSDP's pre-forward. A grad-enabled call takes its state's
+    marks off, drops the cache where a hazard applies (:func:`check`), then, in a recompute, notes its own casts."""
     if not grad:
-        if _compat.load().cache_marks is None and trainable():
-            note(state, -1, device_types)
         return
     if _shielded:
         unshield(state, owner)
@@ -164,7 +160,7 @@ def shield(state: Any, owner: Any, parameters: list[torch.Tensor], device_types:
         unshield(state)  # a freed cover's, whose id this one has now
     marks = _compat.load().cache_marks
     chosen = [p for p in parameters if p.requires_grad and p.dtype == torch.float32 and p.is_leaf]
-    if marks is None or not chosen:
+    if not chosen:
         return
     forget_freed()
     marks.enable(True)  # and left on (see the module docstring)
@@ -189,7 +185,6 @@ def unshield(state: Any, owner: str | None = None) -> None:
     if marked is None:
         return
     marks = _compat.load().cache_marks
-    assert marks is not None
     marks.enable(True)  # another user may have turned it off since: removing a mark needs it on
     for ref in marked.parameters:
         parameter = ref()
@@ -216,8 +211,8 @@ def _alive(hazards: _Hazards) -> Any:
 
 
 def note(state: Any, task: int, device_types: tuple[str, ...], shortcut: bool = True) -> None:
-    """Note a hazard for ``state``: casts made under ``no_grad`` (``task`` -1: a ``preserve_autocast`` function, or
-    a call where the marks do not work) or in the recompute of graph task ``task``. ``shortcut``: skip a recompute
+    """Note a hazard for ``state``: casts made under ``no_grad`` (``task`` -1: a ``preserve_autocast`` function) or
+    in the recompute of graph task ``task``. ``shortcut``: skip a recompute
     whose casts die with the checkpoint's regions (:func:`_dies_with_region`)."""
     global active
     hazards = _hazards()

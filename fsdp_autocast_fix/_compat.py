@@ -59,11 +59,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     (STATE, "FSDPState._post_forward"),
     (STATE, "TrainingState"),
     (STATE, "_cast_fp_tensor"),
-)
-#: Private names the patch can do without: autocast's cache marks (without them a ``no_grad`` call notes a hazard,
-#: so the next grad-enabled call drops the cache; ``apply()`` warns).
-OPTIONAL_NAMES: tuple[tuple[str, str], ...] = (
-    ("torch._C", "_add_cached_tensor"),
+    ("torch._C", "_add_cached_tensor"),  # autocast's cache marks (CacheMarks)
     ("torch._C", "_remove_cached_tensor"),
     ("torch._C", "_is_cached_tensor"),
     ("torch._C", "_set_cached_tensors_enabled"),
@@ -101,8 +97,8 @@ class Internals:
     needs_cast_replay: bool
     #: Whether this torch's recompute skips gathering parameters resharded since the forward (before torch 2.11).
     needs_param_gather: bool
-    #: torch's marks that keep a tensor out of autocast's cast cache, or None where autocast does not honour them.
-    cache_marks: CacheMarks | None
+    #: torch's marks that keep a tensor out of autocast's cast cache.
+    cache_marks: CacheMarks
     #: The code of FSDP's dynamo-disable wrapper around its hooks, which makes a new ``torch._dynamo.disable``
     #: object on every call (``_dynamo_disable``; ``disable_if_config_true`` in 2.4-2.7).
     fsdp_hook_wrappers: frozenset[types.CodeType]
@@ -194,8 +190,9 @@ class CacheMarks:
 
     __slots__ = ("add", "remove", "marked", "enable", "witness")
 
-    def __init__(self) -> None:
-        self.add, self.remove, self.marked, self.enable = (resolve(module, path) for module, path in OPTIONAL_NAMES)
+    def __init__(self, add: Callable[[torch.Tensor], None], remove: Callable[[torch.Tensor], None],
+                 marked: Callable[[torch.Tensor], bool], enable: Callable[[bool], None]) -> None:
+        self.add, self.remove, self.marked, self.enable = add, remove, marked, enable
         self.witness = torch.empty(0)
         try:
             self.add(self.witness)  # raises while the flag is off
@@ -208,13 +205,15 @@ class CacheMarks:
         return self.marked(self.witness)
 
 
-def _probe_cache_marks() -> CacheMarks | None:
-    """This torch's cache marks, if autocast honours them: one region casts a parameter-like tensor three times,
-    the third time marked; the second cast must be the first's (cached) and the third a new one."""
+def _probe_cache_marks(*functions: Any) -> CacheMarks:
+    """torch's cache marks (``functions``: as :class:`CacheMarks` takes them), once autocast is seen to honour them;
+    else :class:`UnsupportedTorchError` (without them a ``no_grad`` call's casts could only be dropped, which changes
+    the bits of passes that share casts). One region casts a parameter-like tensor three times, the third time
+    marked; the second cast must be the first's (cached) and the third a new one."""
     try:
-        marks = CacheMarks()
-    except (UnsupportedTorchError, RuntimeError):
-        return None
+        marks = CacheMarks(*functions)
+    except RuntimeError as e:
+        raise UnsupportedTorchError("autocast's cache marks", repr(e)) from None
     w = torch.zeros(1, 1, requires_grad=True)
     saved: list[torch.Tensor] = []
     raised = not marks.flag_on()
@@ -228,13 +227,14 @@ def _probe_cache_marks() -> CacheMarks | None:
                 marks.add(w)
                 torch.mm(w, w)
                 marks.remove(w)
-    except Exception:  # a build whose CPU autocast does not cast mm, say: the marks are not known to work
-        return None
+    except Exception as e:  # a build whose CPU autocast does not cast mm, say: the marks are not known to work
+        raise UnsupportedTorchError("autocast's cache marks", f"the probe failed: {e!r}") from None
     finally:
         if raised:
             marks.enable(False)
-    honoured = len(saved) == 6 and saved[0] is saved[2] and saved[4] is not saved[0]
-    return marks if honoured else None
+    if not (len(saved) == 6 and saved[0] is saved[2] and saved[4] is not saved[0]):
+        raise UnsupportedTorchError("autocast's cache marks", "this torch's autocast does not honour them")
+    return marks
 
 
 def label(module: str, path: str) -> str:
@@ -424,7 +424,8 @@ def load() -> Internals:
         queue_backward_callback=_attr(engine, "queue_callback", "Variable._execution_engine.queue_callback"),
         needs_cast_replay=_probe_cast_replay(state_cls, pre_backward, mp_policy_cls),
         needs_param_gather=_probe_param_gather(state_cls, pre_backward, mp_policy_cls),
-        cache_marks=_probe_cache_marks(),
+        cache_marks=_probe_cache_marks(private["_add_cached_tensor"], private["_remove_cached_tensor"],
+                                       private["_is_cached_tensor"], private["_set_cached_tensors_enabled"]),
         fsdp_hook_wrappers=_hook_wrappers(state_module),
         moving_device_types=moving,
         any_autocast_enabled=private["_is_any_autocast_enabled"],

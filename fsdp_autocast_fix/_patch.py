@@ -157,9 +157,6 @@ def apply(*, force: bool = False) -> bool:
         logger.info("fsdp_autocast_fix applied (torch %s): this torch already casts in the recompute, so "
                     "the cast replay is left to torch (force=True to replay it anyway); autocast replay "
                     "active; %d already-sharded modules retrofitted", _compat.torch_version(), retrofitted)
-    if internals.cache_marks is None:
-        logger.warning("fsdp_autocast_fix: this torch's autocast does not honour its cache marks, so a no_grad call "
-                       "of fp32 parameters under autocast drops the cast cache before their next training call")
     return True
 
 

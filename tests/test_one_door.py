@@ -2,8 +2,7 @@
 lists, each name is removed in turn (in one fresh interpreter, the package imported anew after each removal).
 Without a required name the package still imports, ``status()`` says why it is unsupported, ``apply()`` raises
 ``UnsupportedTorchError`` naming it and changes nothing, the auto-apply logs one warning and leaves the run
-unpatched, and ``doctor`` exits non-zero with that sentence. Without an optional one (autocast's cache marks)
-``apply()`` works and warns that the cache is dropped instead."""
+unpatched, and ``doctor`` exits non-zero with that sentence."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed.fsdp
 
 results = []
-for module, path, optional, label in json.loads(sys.argv[1]):
+for module, path, label in json.loads(sys.argv[1]):
     owner = importlib.import_module(module)
     *parents, leaf = path.split(".")
     for part in parents:
@@ -41,7 +40,6 @@ for module, path, optional, label in json.loads(sys.argv[1]):
         try:
             fsdp_autocast_fix.apply()
             row["applied"] = True
-            row["warnings"] = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
             fsdp_autocast_fix.remove()
         except fsdp_autocast_fix.UnsupportedTorchError as e:
             row["applied"], row["error"] = False, str(e)
@@ -63,11 +61,10 @@ print(json.dumps(results))
 
 
 def _names() -> list[tuple[str, str, bool, str]]:
-    """``(module, path, optional, label)`` of each name, FSDP's state module as this torch has it."""
+    """``(module, path, label)`` of each name, FSDP's state module as this torch has it."""
     state_module = _compat.resolve(_compat.STATE, "FSDPState").__module__
-    return [(state_module if module == _compat.STATE else module, path, optional, _compat.label(module, path))
-            for names, optional in ((_compat.PRIVATE_NAMES, False), (_compat.OPTIONAL_NAMES, True))
-            for module, path in names]
+    return [(state_module if module == _compat.STATE else module, path, _compat.label(module, path))
+            for module, path in _compat.PRIVATE_NAMES]
 
 
 def test_each_private_name_removed_in_turn() -> None:
@@ -77,14 +74,10 @@ def test_each_private_name_removed_in_turn() -> None:
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert [row["name"] for row in rows] == [name[3] for name in names]
-    for (_module, _path, optional, _label), row in zip(names, rows):
+    assert [row["name"] for row in rows] == [name[2] for name in names]
+    for row in rows:
         name = row["name"]
         assert "crash" not in row, row
-        if optional:
-            assert row["unsupported"] is None and row["applied"], row
-            assert any("cache marks" in w for w in row["warnings"]), row
-            continue
         assert name in row["unsupported"] and not row["applied"] and name in row["error"], row
         assert row["patched_after"] is False and row["patched_after_autoapply"] is False, row
         assert len(row["autoapply_warnings"]) == 1 and name in row["autoapply_warnings"][0], row
