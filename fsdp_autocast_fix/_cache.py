@@ -212,8 +212,8 @@ def _alive(hazards: _Hazards) -> Any:
 
 def note(state: Any, task: int, device_types: tuple[str, ...], shortcut: bool = True) -> None:
     """Note a hazard for ``state``: casts made under ``no_grad`` (``task`` -1: a ``preserve_autocast`` function) or
-    in the recompute of graph task ``task``. ``shortcut``: skip a recompute
-    whose casts die with the checkpoint's regions (:func:`_dies_with_region`)."""
+    in the recompute of graph task ``task``. ``shortcut``: skip a recompute whose casts die with the checkpoint's
+    regions (:func:`_dies_with_region`)."""
     global active
     hazards = _hazards()
     by_state = hazards.by_state

@@ -205,13 +205,14 @@ class CacheMarks:
         return self.marked(self.witness)
 
 
-def _probe_cache_marks(*functions: Any) -> CacheMarks:
-    """torch's cache marks (``functions``: as :class:`CacheMarks` takes them), once autocast is seen to honour them;
-    else :class:`UnsupportedTorchError` (without them a ``no_grad`` call's casts could only be dropped, which changes
-    the bits of passes that share casts). One region casts a parameter-like tensor three times, the third time
-    marked; the second cast must be the first's (cached) and the third a new one."""
+def _probe_cache_marks(add: Callable[[torch.Tensor], None], remove: Callable[[torch.Tensor], None],
+                       marked: Callable[[torch.Tensor], bool], enable: Callable[[bool], None]) -> CacheMarks:
+    """torch's cache marks, made of these calls, once autocast is seen to honour them; else
+    :class:`UnsupportedTorchError` (without them a ``no_grad`` call's casts could only be dropped, which changes the
+    bits of passes that share casts). One region casts a parameter-like tensor three times, the third time marked;
+    the second cast must be the first's (cached) and the third a new one."""
     try:
-        marks = CacheMarks(*functions)
+        marks = CacheMarks(add, remove, marked, enable)
     except RuntimeError as e:
         raise UnsupportedTorchError("autocast's cache marks", repr(e)) from None
     w = torch.zeros(1, 1, requires_grad=True)

@@ -60,7 +60,7 @@ print(json.dumps(results))
 '''
 
 
-def _names() -> list[tuple[str, str, bool, str]]:
+def _names() -> list[tuple[str, str, str]]:
     """``(module, path, label)`` of each name, FSDP's state module as this torch has it."""
     state_module = _compat.resolve(_compat.STATE, "FSDPState").__module__
     return [(state_module if module == _compat.STATE else module, path, _compat.label(module, path))
